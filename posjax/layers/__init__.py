@@ -1,0 +1,1 @@
+"""Building blocks: attention core, position indices/tables, position terms."""

@@ -1,0 +1,122 @@
+"""The attention core shared by every scheme, and standard multi-head attention.
+
+Every scheme reduces to ``softmax(sum of additive logit terms, masked) @ V``: the schemes
+differ only in which terms they add (DESIGN.md §2). Logits, masking and softmax run in fp32.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "identity": lambda x: x,
+}
+
+DEFAULT_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name: str,
+          dtype: jnp.dtype, use_bias: bool = True, axis: int | tuple[int, ...] = -1,
+          kernel_init: Callable = DEFAULT_INIT) -> nn.DenseGeneral:
+    """A DenseGeneral whose kernel and bias carry logical axis names (fp32 parameters)."""
+    features_t = (features,) if isinstance(features, int) else tuple(features)
+    return nn.DenseGeneral(
+        features=features_t, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
+        kernel_init=nn.with_logical_partitioning(kernel_init, names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                               names[-len(features_t):]),
+        name=name)
+
+
+def layer_norm(eps: float, *, name: str, dtype: jnp.dtype) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=eps, dtype=dtype, param_dtype=jnp.float32, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)))
+
+
+def attention_weights(logits: Array, mask: Array | None) -> Array:
+    """Masked fp32 softmax over the last axis; rows with no visible key get all-zero weights.
+
+    logits: (B, h, Lq, Lk); mask: bool, broadcastable to logits (True = may attend).
+    """
+    logits = logits.astype(jnp.float32)
+    if mask is None:
+        return jax.nn.softmax(logits, axis=-1)
+    mask = jnp.broadcast_to(mask, logits.shape)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
+
+
+def combine_heads(weights: Array, value: Array, dtype: jnp.dtype) -> Array:
+    """(B, h, Lq, Lk) x (B, Lk, h, d) -> (B, Lq, h, d)."""
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(dtype), value.astype(dtype))
+
+
+def content_logits(query: Array, key: Array, scale: float) -> Array:
+    """q·k * scale: (B, Lq, h, d), (B, Lk, h, d) -> fp32 (B, h, Lq, Lk)."""
+    return jnp.einsum("bqhd,bkhd->bhqk", query, key,
+                      preferred_element_type=jnp.float32) * scale
+
+
+class MultiHeadAttention(nn.Module):
+    """softmax(q·k * logit_scale + bias, mask) v, then the output projection.
+
+    ``bias``: any additive term broadcastable to (B, h, Lq, Lk) — T5 buckets, TUPE's positional
+    correlation — computed once by the encoder and shared by all layers.
+    """
+
+    num_heads: int
+    head_dim: int
+    logit_scale: float
+    dtype: jnp.dtype = jnp.float32
+    attention_dropout_rate: float = 0.0
+    qkv_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
+                 bias: Array | None = None, train: bool = False) -> Array:
+        hd = (self.num_heads, self.head_dim)
+        names = ("embed", "heads", "kv")
+        q = dense(hd, names, name="query", dtype=self.dtype, use_bias=self.qkv_bias)(x_q)
+        k = dense(hd, names, name="key", dtype=self.dtype, use_bias=self.qkv_bias)(x_kv)
+        v = dense(hd, names, name="value", dtype=self.dtype, use_bias=self.qkv_bias)(x_kv)
+        logits = content_logits(q, k, self.logit_scale)
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        weights = attention_weights(logits, mask)
+        weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
+        out = combine_heads(weights, v, self.dtype)
+        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                     axis=(-2, -1))(out)
+
+
+class Mlp(nn.Module):
+    """dense -> act -> dense (dropout after the activation only when ``inner_dropout``)."""
+
+    mlp_dim: int
+    act: str
+    dtype: jnp.dtype = jnp.float32
+    dropout_rate: float = 0.0
+    inner_dropout: bool = False
+    kernel_init: Callable = DEFAULT_INIT
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False) -> Array:
+        h = dense(self.mlp_dim, ("embed", "mlp"), name="fc1", dtype=self.dtype,
+                  kernel_init=self.kernel_init)(x)
+        h = ACTIVATIONS[self.act](h)
+        if self.inner_dropout:
+            h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
+        return dense(x.shape[-1], ("mlp", "embed"), name="fc2", dtype=self.dtype,
+                     kernel_init=self.kernel_init)(h)

@@ -1,0 +1,166 @@
+"""DeBERTa disentangled attention (He et al. 2021, Eq. 4; official-code conventions).
+
+    logits[i, j] = (Q_c[i]·K_c[j] + Q_c[i]·K_r[δ(i,j)] + K_c[j]·Q_r[δ(i,j)]) / √(d·(1 + #terms))
+
+with δ(i, j) = clamp(bucket(i − j) + k, 0, 2k − 1), the SAME index for c2p and p2c. The
+position terms are computed as Q_c K_rᵀ (L × 2k) and K_c Q_rᵀ (L × 2k) and then gathered, never
+as an L × L × d tensor.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.layers import positions
+from posjax.layers.attention import (attention_weights, combine_heads, content_logits, dense)
+
+Array = jax.Array
+
+
+def relative_gather(full: Array, index: Array | np.ndarray, method: str = "take") -> Array:
+    """out[b, h, i, j] = full[b, h, i, index[(b,) i, j]].
+
+    full: (B, h, Lq, R); index: (Lq, Lk) or (B, Lq, Lk) -> (B, h, Lq, Lk).
+    ``take``: take_along_axis; ``onehot``: einsum with a one-hot (Lq, Lk, R) tensor; ``shift``:
+    for a static Toeplitz index (text, queries = keys), a static column gather to one column per
+    distance followed by the relative-shift (skew) reshape — no per-element gather.
+    """
+    if method == "shift" and isinstance(index, np.ndarray):
+        cols = _toeplitz_columns(index)
+        if cols is not None:
+            return _skew(jnp.take(full, cols, axis=-1))
+    if method == "onehot":
+        onehot = jax.nn.one_hot(index, full.shape[-1], dtype=full.dtype)
+        spec = "bhqr,qkr->bhqk" if onehot.ndim == 3 else "bhqr,bqkr->bhqk"
+        return jnp.einsum(spec, full, onehot)
+    index = jnp.asarray(index)
+    index = index[None, None] if index.ndim == 2 else index[:, None]
+    index = jnp.broadcast_to(index, full.shape[:2] + index.shape[2:])
+    return jnp.take_along_axis(full, index, axis=-1)
+
+
+def _toeplitz_columns(index: np.ndarray) -> np.ndarray | None:
+    """If index[i, j] depends only on i − j (square), the column for each i − j = L−1 … −(L−1)."""
+    if index.ndim != 2 or index.shape[0] != index.shape[1] or index.shape[0] < 2:
+        return None
+    n = index.shape[0]
+    first_col, first_row = index[:, 0], index[0, :]   # r = i (i >= 0), r = -j
+    cols = np.concatenate([first_col[::-1], first_row[1:]])   # r = n-1 ... 0 ... -(n-1)
+    i, j = np.indices(index.shape)
+    if not np.array_equal(cols[(n - 1) - (i - j)], index):
+        return None
+    return cols
+
+
+def _skew(s: Array) -> Array:
+    """(…, L, 2L−1) with column c for distance r = L−1−c -> (…, L, L) with out[i, j] = s[i, L−1−i+j]."""
+    n = s.shape[-2]
+    flat = s.reshape(s.shape[:-2] + (n * (2 * n - 1),))
+    flat = flat[..., n - 1: n - 1 + n * (2 * n - 2)]
+    return flat.reshape(s.shape[:-2] + (n, 2 * n - 2))[..., :n]
+
+
+class DisentangledAttention(nn.Module):
+    """Multi-head disentangled self-attention with the output projection.
+
+    ``v1``: key projection without bias and ``pos_key`` without bias (HF ``pos_proj``);
+    otherwise all biased. ``share_att_key`` (v2) reuses query/key projections on the table.
+    ``grid`` (images): one relative table block per axis; the per-axis terms are summed.
+    """
+
+    num_heads: int
+    head_dim: int
+    pos_att_type: tuple[str, ...]
+    span: int                       # k: table has 2k rows per axis
+    max_relative_positions: int
+    position_buckets: int = 0       # v2 log buckets (0: none)
+    v1: bool = False
+    share_att_key: bool = False
+    grid: tuple[int, int] | None = None
+    gather: str = "take"
+    dtype: jnp.dtype = jnp.float32
+    attention_dropout_rate: float = 0.0
+    dropout_rate: float = 0.0
+
+    def relative_index(self, num_queries: int, num_keys: int,
+                       query_positions: Array | None) -> tuple[Array | np.ndarray, ...]:
+        """Rows of the (A·2k, H) table per pair and axis: each (Lq, Lk), or (B, Lq, Lk) for
+        explicit ``query_positions`` (B, Lq) such as the EMD's masked positions."""
+        span = self.effective_span(num_keys)
+        rel = functools.partial(positions.deberta_relative_index, span=span,
+                                bucket_size=self.position_buckets,
+                                max_position=self.max_relative_positions)
+        if self.grid is None:
+            axes = [np.arange(num_keys)]
+        else:
+            axes = list(positions.grid_coordinates(self.grid))
+        out = []
+        for a, coord in enumerate(axes):
+            full = rel(coord, coord) + a * 2 * span
+            if query_positions is None:
+                assert num_queries == num_keys
+                out.append(full)
+            else:
+                out.append(jnp.take(jnp.asarray(full), query_positions, axis=0))
+        return tuple(out)
+
+    def effective_span(self, length: int) -> int:
+        """v1 uses only min(L, k) rows each side of the centre (same result, less work)."""
+        if self.v1 and self.grid is None:
+            return min(length, self.span)
+        return self.span
+
+    @nn.compact
+    def __call__(self, x_q: Array, x_kv: Array, *, rel_table: Array, mask: Array | None = None,
+                 query_positions: Array | None = None, train: bool = False) -> Array:
+        """x_q: (B, Lq, H); x_kv: (B, Lk, H); rel_table: (A·2k, H) -> (B, Lq, H)."""
+        hd = (self.num_heads, self.head_dim)
+        names = ("embed", "heads", "kv")
+        query = dense(hd, names, name="query", dtype=self.dtype)
+        key = dense(hd, names, name="key", dtype=self.dtype, use_bias=not self.v1)
+        q, k = query(x_q), key(x_kv)
+        v = dense(hd, names, name="value", dtype=self.dtype)(x_kv)
+        scale = float(self.head_dim * (1 + len(self.pos_att_type))) ** -0.5
+        logits = content_logits(q, k, scale)
+
+        num_keys = x_kv.shape[1]
+        span = self.effective_span(num_keys)
+        if self.v1 and self.grid is None:   # centre the table on the rows actually used
+            rel_table = rel_table[self.span - span: self.span + span]
+        rel_table = nn.Dropout(self.dropout_rate)(rel_table, deterministic=not train)
+        index = self.relative_index(x_q.shape[1], num_keys, query_positions)
+        if "c2p" in self.pos_att_type:
+            pos_key = key if self.share_att_key else dense(
+                hd, names, name="pos_key", dtype=self.dtype, use_bias=not self.v1)
+            c2p = jnp.einsum("bqhd,rhd->bhqr", q, pos_key(rel_table),
+                             preferred_element_type=jnp.float32) * scale
+            for idx in index:
+                logits = logits + relative_gather(c2p, idx, self.gather)
+        if "p2c" in self.pos_att_type:
+            pos_query = query if self.share_att_key else dense(
+                hd, names, name="pos_query", dtype=self.dtype)
+            p2c = jnp.einsum("bkhd,rhd->bhkr", k, pos_query(rel_table),
+                             preferred_element_type=jnp.float32) * scale
+            for idx in index:
+                if query_positions is None:   # p2c[i, j] = (K_c Q_rᵀ)[j, δ(i, j)]
+                    logits = logits + jnp.swapaxes(relative_gather(p2c, idx.T, self.gather), -1, -2)
+                else:
+                    logits = logits + _p2c_dynamic(p2c, idx)
+        weights = attention_weights(logits, mask)
+        weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
+        out = combine_heads(weights, v, self.dtype)
+        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                     axis=(-2, -1))(out)
+
+
+def _p2c_dynamic(p2c: Array, index: Array) -> Array:
+    """p2c: (B, h, Lk, R); index (B, Lq, Lk) -> (B, h, Lq, Lk) with out[i, j] = p2c[j, index[i, j]]."""
+    b = jnp.arange(p2c.shape[0])[:, None, None]
+    j = jnp.arange(p2c.shape[2])[None, None, :]
+    # gather -> (B, Lq, Lk, h)
+    out = p2c.transpose(0, 2, 3, 1)[b, j, index]
+    return out.transpose(0, 3, 1, 2)

@@ -1,0 +1,69 @@
+"""Additive position terms computed once per forward and shared by every layer.
+
+* ``T5RelativeBias``: b[h, i, j] = table[bucket(j − i), h] (BERT-R, TUPE-R; not scaled).
+* ``TupePositionBias``: TUPE's untied absolute correlation (Ke et al. 2021, Eq. 6 and §3.2):
+  A = (LN(P) U_Q)(LN(P) U_K)ᵀ / √(2d), with the [CLS] row/column reset to θ1/θ2.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.layers import positions
+from posjax.layers.attention import DEFAULT_INIT, dense, layer_norm
+
+Array = jax.Array
+
+
+class T5RelativeBias(nn.Module):
+    """(h, L, L) bias from a (axes, buckets [+1], h) table; one axis for text, two for a grid."""
+
+    num_heads: int
+    num_buckets: int = 32
+    max_distance: int = 128
+    untie_cls: bool = False
+    grid: tuple[int, int] | None = None
+
+    @nn.compact
+    def __call__(self, length: int) -> Array:
+        buckets = positions.t5_bucket_matrix(length, self.num_buckets, self.max_distance,
+                                             self.untie_cls, self.grid)
+        rows = self.num_buckets + (1 if self.untie_cls else 0)
+        table = self.param("rel_bias", nn.with_logical_partitioning(
+            DEFAULT_INIT, (None, None, "heads")), (len(buckets), rows, self.num_heads), jnp.float32)
+        bias = sum(jnp.take(table[a], b, axis=0) for a, b in enumerate(buckets))   # (L, L, h)
+        return jnp.transpose(bias, (2, 0, 1))
+
+
+class TupePositionBias(nn.Module):
+    """TUPE positional correlation (h, L, L) from a (max_len + 1, H) table.
+
+    P = LN(table[:L+1]); A = (P U_Q + b_Q)(P U_K + b_K)ᵀ / √(2d) per head, (h, L+1, L+1).
+    Token i uses table row i + 1; with ``untie_cls`` the result's row 0 is θ1 = A[0, 0] and its
+    column 0 is θ2 = A[1, 1] (row wins at [0, 0]).
+    """
+
+    num_heads: int
+    head_dim: int
+    max_len: int
+    eps: float = 1e-5
+    untie_cls: bool = True
+
+    @nn.compact
+    def __call__(self, length: int) -> Array:
+        hidden = self.num_heads * self.head_dim
+        table = self.param("position_embeddings", nn.with_logical_partitioning(
+            DEFAULT_INIT, ("pos", "embed")), (self.max_len + 1, hidden), jnp.float32)
+        p = layer_norm(self.eps, name="norm", dtype=jnp.float32)(table[: length + 1])
+        hd = (self.num_heads, self.head_dim)
+        pq = dense(hd, ("embed", "heads", "kv"), name="query", dtype=jnp.float32)(p)
+        pk = dense(hd, ("embed", "heads", "kv"), name="key", dtype=jnp.float32)(p)
+        a = jnp.einsum("qhd,khd->hqk", pq * (2 * self.head_dim) ** -0.5, pk)
+        b = a[:, 1:, 1:]
+        if self.untie_cls:
+            first = np.arange(length) == 0
+            b = jnp.where(first[None, None, :], a[:, 1, 1][:, None, None], b)   # column 0: θ2
+            b = jnp.where(first[None, :, None], a[:, 0, 0][:, None, None], b)   # row 0: θ1
+        return b

@@ -1,0 +1,142 @@
+"""Position indices, bucketing and position tables shared by the schemes.
+
+Index arithmetic is static (it depends only on sequence shapes) and is done in numpy at
+trace time, so XLA sees constants.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def t5_relative_bucket(relative_position: np.ndarray, num_buckets: int = 32,
+                       max_distance: int = 128) -> np.ndarray:
+    """Bidirectional T5 bucket of ``relative_position = j - i`` (key minus query).
+
+    Half the buckets hold keys before the query (n = i - j > 0), half keys after; within a half,
+    distances below ``num_buckets/4`` are exact and the rest are log-spaced up to ``max_distance``.
+    Bucket ``num_buckets/2`` (a key after the query at distance 0) is never produced.
+    """
+    n = -np.asarray(relative_position, dtype=np.int64)
+    half = num_buckets // 2
+    ret = (n < 0).astype(np.int64) * half
+    n = np.abs(n)
+    max_exact = half // 2
+    with np.errstate(divide="ignore"):
+        large = max_exact + (np.log(np.maximum(n, 1).astype(np.float32) / max_exact)
+                             / math.log(max_distance / max_exact) * (half - max_exact)).astype(np.int64)
+    large = np.minimum(large, half - 1)
+    return (ret + np.where(n < max_exact, n, large)).astype(np.int32)
+
+
+def deberta_log_bucket(relative_position: np.ndarray, bucket_size: int,
+                       max_position: int) -> np.ndarray:
+    """DeBERTa-v2 log bucketing of ``r = i - j`` (official code: clamp to ±(max_position-1) first).
+
+    With mid = bucket_size/2: |r| <= mid kept; larger |r| -> sign(r) * (ceil(log(|r|/mid) /
+    log((max_position-1)/mid) * (mid-1)) + mid).
+    """
+    r = np.clip(np.asarray(relative_position, dtype=np.int64), -(max_position - 1), max_position - 1)
+    mid = bucket_size // 2
+    abs_pos = np.where((r < mid) & (r > -mid), mid - 1, np.abs(r)).astype(np.float64)
+    log_pos = np.ceil(np.log(abs_pos / mid) / np.log((max_position - 1) / mid) * (mid - 1)) + mid
+    return np.where(abs_pos <= mid, r, log_pos * np.sign(r)).astype(np.int64)
+
+
+def deberta_relative_index(query_positions: np.ndarray, key_positions: np.ndarray, span: int,
+                           bucket_size: int = 0, max_position: int = 0) -> np.ndarray:
+    """Row of the 2*span relative table used by pair (i, j): clamp(bucket(i - j) + span, 0, 2span-1).
+
+    Shapes: query_positions (..., Lq), key_positions (Lk,) -> (..., Lq, Lk) int32. The same index
+    serves c2p (row of K_r for query i) and p2c (row of Q_r for key j), as in the official code.
+    """
+    r = np.asarray(query_positions)[..., :, None] - np.asarray(key_positions)[None, :]
+    if bucket_size > 0:
+        r = deberta_log_bucket(r, bucket_size, max_position)
+    return np.clip(r + span, 0, 2 * span - 1).astype(np.int32)
+
+
+def grid_coordinates(grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) coordinates of the tokens of a row-major patch grid, each (gh*gw,)."""
+    gh, gw = grid
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    return rows.reshape(-1), cols.reshape(-1)
+
+
+def t5_bucket_matrix(length: int, num_buckets: int, max_distance: int, untie_cls: bool,
+                     grid: tuple[int, int] | None = None) -> tuple[np.ndarray, ...]:
+    """Static T5 bucket indices, one (L, L) matrix per position axis.
+
+    Text: one matrix of bucket(j - i). Images (``grid``): one matrix per axis (rows, cols) over
+    patches; the sum of the two per-axis biases is the 2D relative bias. With ``untie_cls`` token 0
+    is [CLS]: its column uses bucket ``num_buckets`` and its row bucket ``num_buckets/2`` (row wins
+    at [0, 0]); the table then has ``num_buckets + 1`` rows.
+    """
+    if grid is None:
+        pos = np.arange(length)
+        axes = [pos]
+    else:
+        offset = 1 if untie_cls else 0
+        rows, cols = grid_coordinates(grid)
+        axes = [np.concatenate([np.zeros(offset, np.int64), rows]),
+                np.concatenate([np.zeros(offset, np.int64), cols])]
+        assert len(axes[0]) == length, (len(axes[0]), length)
+    out = []
+    for p in axes:
+        b = t5_relative_bucket(p[None, :] - p[:, None], num_buckets, max_distance)
+        if untie_cls:
+            b[:, 0] = num_buckets
+            b[0, :] = num_buckets // 2
+        out.append(b)
+    return tuple(out)
+
+
+def resample_position_table(table: jax.Array | np.ndarray, old_grid: tuple[int, int],
+                            new_grid: tuple[int, int], num_prefix_tokens: int = 1,
+                            method: str = "bilinear") -> jax.Array:
+    """Resample a learned ViT position table (1, P + gh*gw, H) to a new patch grid.
+
+    The first ``num_prefix_tokens`` rows ([CLS]) are kept; the grid rows are reshaped to
+    (gh, gw, H) and resized. ``bilinear``: corner-aligned linear interpolation, identical to
+    ``scipy.ndimage.zoom(order=1)`` used by the official vit_jax; ``bicubic``: half-pixel cubic
+    (``jax.image.resize``), the HF/timm convention.
+    """
+    table = jnp.asarray(table)
+    squeeze = table.ndim == 2
+    if squeeze:
+        table = table[None]
+    gh, gw = old_grid
+    nh, nw = new_grid
+    prefix, grid_rows = table[:, :num_prefix_tokens], table[:, num_prefix_tokens:]
+    if grid_rows.shape[1] != gh * gw:
+        raise ValueError(f"position table has {grid_rows.shape[1]} grid rows after "
+                         f"{num_prefix_tokens} prefix row(s); old_grid={old_grid} needs {gh * gw}")
+    g = grid_rows[0].reshape(gh, gw, -1)
+    if method == "bilinear":
+        g = _zoom_linear(g, 0, nh)
+        g = _zoom_linear(g, 1, nw)
+    elif method == "bicubic":
+        g = jax.image.resize(g, (nh, nw, g.shape[-1]), method="bicubic")
+    else:
+        raise ValueError(f"method={method!r} is not valid: choose 'bilinear' or 'bicubic'")
+    out = jnp.concatenate([prefix, g.reshape(1, nh * nw, -1).astype(table.dtype)], axis=1)
+    return out[0] if squeeze else out
+
+
+def _zoom_linear(x: jax.Array, axis: int, new: int) -> jax.Array:
+    """Corner-aligned linear resize along ``axis`` (scipy.ndimage.zoom order=1 sampling)."""
+    old = x.shape[axis]
+    if new == 1 or old == 1:
+        coords = np.zeros(new)
+    else:
+        coords = np.arange(new) * (old - 1) / (new - 1)
+    lo = np.clip(np.floor(coords).astype(np.int64), 0, old - 1)
+    hi = np.clip(lo + 1, 0, old - 1)
+    w = (coords - lo).astype(np.float32)
+    shape = [1] * x.ndim
+    shape[axis] = new
+    w = jnp.asarray(w).reshape(shape)
+    return jnp.take(x, lo, axis=axis) * (1 - w) + jnp.take(x, hi, axis=axis) * w

@@ -1,0 +1,1 @@
+"""Flax models: the shared encoder, text models and ViT."""

@@ -1,0 +1,245 @@
+"""Model configurations: frozen dataclasses validated when they are built.
+
+Every check raises one ``ValueError`` naming the field, its value and what is allowed, so a
+bad configuration fails before anything is traced or compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "deberta", "deberta_v2")
+VIT_SCHEMES = ("vit",) + TEXT_SCHEMES
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
+POOLINGS = ("token", "gap", "map")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is not valid: {allowed}")
+
+
+def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None:
+    _check(c.position_scheme in schemes, "position_scheme", c.position_scheme,
+           f"choose one of {', '.join(schemes)}")
+    for f in ("hidden_size", "num_heads", "num_layers", "mlp_dim"):
+        _check(isinstance(getattr(c, f), int) and getattr(c, f) > 0, f, getattr(c, f),
+               "must be a positive integer")
+    _check(c.hidden_size % c.num_heads == 0, "hidden_size", c.hidden_size,
+           f"must be divisible by num_heads={c.num_heads}")
+    _check(c.hidden_act in ACTIVATIONS, "hidden_act", c.hidden_act,
+           f"choose one of {', '.join(ACTIVATIONS)}")
+    _check(c.dtype in DTYPES, "dtype", c.dtype, f"choose one of {', '.join(DTYPES)}")
+    for f in ("dropout_rate", "attention_dropout_rate"):
+        v = getattr(c, f)
+        _check(0.0 <= v < 1.0, f, v, "must lie in [0, 1)")
+    _check(c.layer_norm_eps > 0, "layer_norm_eps", c.layer_norm_eps, "must be > 0")
+    _check(c.gather in ("take", "onehot", "shift"), "gather", c.gather,
+           "choose one of take, onehot, shift")
+    if c.position_scheme in ("deberta", "deberta_v2"):
+        _check(len(c.pos_att_type) > 0 and set(c.pos_att_type) <= {"c2p", "p2c"},
+               "pos_att_type", c.pos_att_type, "a non-empty subset of ('c2p', 'p2c')")
+        _check(c.max_relative_positions > 0, "max_relative_positions",
+               c.max_relative_positions, "must be > 0 for DeBERTa")
+    if c.position_scheme == "deberta_v2":
+        _check(c.position_buckets >= 0, "position_buckets", c.position_buckets,
+               "must be >= 0 (0 disables log bucketing)")
+        if c.position_buckets:
+            _check(c.position_buckets % 2 == 0 and c.position_buckets <= c.max_relative_positions,
+                   "position_buckets", c.position_buckets,
+                   f"must be even and <= max_relative_positions={c.max_relative_positions}")
+    if c.position_scheme in ("bert_rel", "tupe_r"):
+        _check(c.relative_buckets >= 4 and c.relative_buckets % 2 == 0, "relative_buckets",
+               c.relative_buckets, "must be an even number >= 4")
+        _check(c.relative_max_distance > c.relative_buckets // 4, "relative_max_distance",
+               c.relative_max_distance, f"must exceed relative_buckets/4={c.relative_buckets // 4}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """A post-LN text encoder whose position scheme is a choice (DESIGN.md §3).
+
+    Scheme-specific fields are ignored by schemes that do not use them.
+    """
+
+    position_scheme: str = "bert_abs"
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_heads: int = 12
+    num_layers: int = 12
+    mlp_dim: int = 3072
+    max_position_embeddings: int = 512   # absolute table rows (0: no table; DeBERTa only)
+    type_vocab_size: int = 2             # 0: no token-type embeddings
+    embedding_size: int = 0              # 0: same as hidden_size (else embed_proj maps E->H)
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    dtype: str = "float32"               # compute dtype; parameters are always float32
+    pad_token_id: int = 0
+    # T5 relative bias (bert_rel, tupe_r).
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    # TUPE.
+    tie_cls: bool = False                # paper ablation: no untied [CLS] reset
+    # DeBERTa.
+    pos_att_type: tuple[str, ...] = ("c2p", "p2c")
+    max_relative_positions: int = 512    # v1: span k; v2: max_position for log buckets
+    position_buckets: int = 0            # v2: 256 in the released models
+    share_att_key: bool = False          # v2
+    norm_rel_ebd: bool = False           # v2: LayerNorm on the relative table
+    position_biased_input: bool = True   # DeBERTa: add the absolute table to the input
+    conv_kernel_size: int = 0            # v2 ConvLayer (0: none)
+    conv_groups: int = 1
+    conv_act: str = "tanh"
+    gather: str = "take"                 # DeBERTa relative gather: take | onehot | shift
+    # Heads.
+    use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM
+    pooler_act: str = "tanh"
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pos_att_type, str):
+            object.__setattr__(self, "pos_att_type", tuple(
+                t.strip() for t in self.pos_att_type.replace(",", "|").split("|") if t.strip()))
+        else:
+            object.__setattr__(self, "pos_att_type", tuple(self.pos_att_type))
+        _check_common(self, TEXT_SCHEMES)
+        _check(self.vocab_size > 0, "vocab_size", self.vocab_size, "must be > 0")
+        _check(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be >= 0")
+        _check(self.embedding_size >= 0, "embedding_size", self.embedding_size, "must be >= 0")
+        _check(self.pooler_act in ACTIVATIONS, "pooler_act", self.pooler_act,
+               f"choose one of {', '.join(ACTIVATIONS)}")
+        _check(self.conv_act in ACTIVATIONS, "conv_act", self.conv_act,
+               f"choose one of {', '.join(ACTIVATIONS)}")
+        deberta = self.position_scheme in ("deberta", "deberta_v2")
+        if not deberta or not self.position_biased_input:
+            _check(self.max_position_embeddings >= 0, "max_position_embeddings",
+                   self.max_position_embeddings, "must be >= 0")
+        if not deberta or self.position_biased_input:
+            _check(self.max_position_embeddings > 0, "max_position_embeddings",
+                   self.max_position_embeddings,
+                   f"must be > 0: position_scheme={self.position_scheme!r} needs an absolute table")
+        if self.use_emd:
+            _check(deberta, "use_emd", self.use_emd,
+                   "the enhanced mask decoder exists only for position_scheme deberta/deberta_v2")
+            _check(self.max_position_embeddings > 0, "use_emd", self.use_emd,
+                   "EMD needs absolute positions: set max_position_embeddings > 0")
+            _check(self.num_layers >= 2, "use_emd", self.use_emd, "EMD needs num_layers >= 2")
+        if self.conv_kernel_size:
+            _check(self.position_scheme == "deberta_v2", "conv_kernel_size", self.conv_kernel_size,
+                   "the convolution layer exists only for position_scheme='deberta_v2'")
+            _check(self.conv_kernel_size % 2 == 1, "conv_kernel_size", self.conv_kernel_size,
+                   "must be odd (same-length convolution)")
+            _check(self.hidden_size % self.conv_groups == 0, "conv_groups", self.conv_groups,
+                   f"must divide hidden_size={self.hidden_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def input_embedding_size(self) -> int:
+        return self.embedding_size or self.hidden_size
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TextConfig":
+        return _from_dict(cls, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """Vision Transformer (pre-LN) on patches; any text scheme may replace learned positions."""
+
+    position_scheme: str = "vit"
+    image_size: tuple[int, int] = (224, 224)
+    patch_size: tuple[int, int] = (16, 16)
+    num_channels: int = 3
+    hidden_size: int = 768
+    num_heads: int = 12
+    num_layers: int = 12
+    mlp_dim: int = 3072
+    num_classes: int = 1000              # 0: no head (returns pooled features)
+    pooling: str = "token"               # token ([CLS]) | gap | map
+    representation_size: int = 0         # >0: pre_logits dense + tanh
+    hidden_act: str = "gelu_tanh"        # official vit_jax: tanh GELU; HF: exact ("gelu")
+    layer_norm_eps: float = 1e-6         # official vit_jax 1e-6; HF 1e-12
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    dtype: str = "float32"
+    qkv_bias: bool = True
+    head_zero_init: bool = True
+    # Hybrid ResNet-v2 stem (R50+ViT): block counts per stage, () for none.
+    resnet_layers: tuple[int, ...] = ()
+    resnet_width: int = 64
+    # Relative schemes on the patch grid (2D, one table per axis).
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    tie_cls: bool = False
+    pos_att_type: tuple[str, ...] = ("c2p", "p2c")
+    max_relative_positions: int = 0      # 0: derived from the grid (max(gh, gw))
+    position_buckets: int = 0
+    share_att_key: bool = False
+    norm_rel_ebd: bool = False
+    gather: str = "take"
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("image_size", "patch_size"):
+            v = getattr(self, f)
+            v = (v, v) if isinstance(v, int) else tuple(v)
+            object.__setattr__(self, f, v)
+            _check(len(v) == 2 and all(isinstance(s, int) and s > 0 for s in v), f, v,
+                   "must be a positive int or a pair (height, width)")
+        object.__setattr__(self, "pos_att_type", tuple(self.pos_att_type))
+        object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
+        if self.max_relative_positions == 0:
+            object.__setattr__(self, "max_relative_positions", max(self.grid_size))
+        _check_common(self, VIT_SCHEMES)
+        _check(self.pooling in POOLINGS, "pooling", self.pooling,
+               f"choose one of {', '.join(POOLINGS)}")
+        stride = self.stem_stride
+        for axis, (s, p) in enumerate(zip(self.image_size, self.patch_size)):
+            _check(s % (p * stride) == 0, "image_size", self.image_size,
+                   f"side {s} must be divisible by patch_size {p}"
+                   + (f" times the ResNet stem stride {stride}" if stride > 1 else ""))
+        if self.position_scheme in ("deberta", "deberta_v2"):
+            _check(self.pooling != "token", "pooling", self.pooling,
+                   "DeBERTa relative positions are defined between patches only; "
+                   "use pooling='gap' or 'map' (no [CLS] token)")
+        _check(self.num_classes >= 0, "num_classes", self.num_classes, "must be >= 0")
+        _check(self.representation_size >= 0, "representation_size", self.representation_size,
+               "must be >= 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def stem_stride(self) -> int:
+        """Total downsampling of the ResNet stem (root /4, then /2 per stage after the first)."""
+        return 4 * 2 ** (len(self.resnet_layers) - 1) if self.resnet_layers else 1
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        s = self.stem_stride
+        return (self.image_size[0] // (self.patch_size[0] * s),
+                self.image_size[1] // (self.patch_size[1] * s))
+
+    @property
+    def num_tokens(self) -> int:
+        gh, gw = self.grid_size
+        return gh * gw + (1 if self.pooling == "token" else 0)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ViTConfig":
+        return _from_dict(cls, d)
+
+
+def _from_dict(cls, d: Mapping[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}: allowed are {sorted(names)}")
+    return cls(**dict(d))

@@ -1,0 +1,214 @@
+"""One Transformer encoder for every position scheme (DESIGN.md §2).
+
+The scheme decides (i) what the embeddings add to the input (outside this module) and (ii) the
+additive attention-logit terms, which ``Encoder.position_terms`` computes ONCE per forward and
+hands to every layer. Text uses post-LN blocks, ViT pre-LN blocks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
+from posjax.layers.disentangled import DisentangledAttention
+from posjax.layers.position_bias import T5RelativeBias, TupePositionBias
+from posjax.models.config import TextConfig, ViTConfig
+
+Array = jax.Array
+Config = TextConfig | ViTConfig
+
+DEBERTA = ("deberta", "deberta_v2")
+
+
+def compute_dtype(cfg: Config) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+def logit_scale(cfg: Config) -> float:
+    """1/√d (BERT, ViT) or 1/√(2d) (TUPE: word and position correlations share the budget)."""
+    factor = 2 if cfg.position_scheme in ("tupe_a", "tupe_r") else 1
+    return float(factor * cfg.head_dim) ** -0.5
+
+
+def relative_span(cfg: Config) -> int:
+    """k, the half-size of DeBERTa's relative table (per axis)."""
+    if cfg.position_scheme == "deberta_v2" and cfg.position_buckets > 0:
+        return cfg.position_buckets
+    return cfg.max_relative_positions
+
+
+class EncoderLayer(nn.Module):
+    """One block. Post-LN: x = LN(x + Attn(x)); x = LN(x + MLP(x)). Pre-LN: x += Attn(LN(x)); …
+
+    ``x_kv`` differs from ``x_q`` only in DeBERTa's EMD (queries H_{L−1}+P, keys H_{L−1}).
+    """
+
+    cfg: Config
+    pre_ln: bool
+    grid: tuple[int, int] | None = None
+
+    @nn.compact
+    def __call__(self, x_q: Array, x_kv: Array, mask: Array | None, terms: dict[str, Any],
+                 query_positions: Array | None = None, train: bool = False) -> Array:
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+        if cfg.position_scheme in DEBERTA:
+            attention = DisentangledAttention(
+                num_heads=cfg.num_heads, head_dim=cfg.head_dim, pos_att_type=cfg.pos_att_type,
+                span=relative_span(cfg), max_relative_positions=cfg.max_relative_positions,
+                position_buckets=cfg.position_buckets if cfg.position_scheme == "deberta_v2" else 0,
+                v1=cfg.position_scheme == "deberta", share_att_key=cfg.share_att_key,
+                grid=self.grid, gather=cfg.gather, dtype=dtype,
+                attention_dropout_rate=cfg.attention_dropout_rate,
+                dropout_rate=cfg.dropout_rate, name="attention")
+
+            def attend(q, kv):
+                return attention(q, kv, rel_table=terms["rel_table"], mask=mask,
+                                 query_positions=query_positions, train=train)
+        else:
+            attention = MultiHeadAttention(
+                num_heads=cfg.num_heads, head_dim=cfg.head_dim, logit_scale=logit_scale(cfg),
+                dtype=dtype, attention_dropout_rate=cfg.attention_dropout_rate,
+                qkv_bias=getattr(cfg, "qkv_bias", True), name="attention")
+
+            def attend(q, kv):
+                return attention(q, kv, mask=mask, bias=terms.get("bias"), train=train)
+
+        drop = nn.Dropout(cfg.dropout_rate)
+        mlp = Mlp(cfg.mlp_dim, cfg.hidden_act, dtype=dtype, dropout_rate=cfg.dropout_rate,
+                  inner_dropout=self.pre_ln, name="mlp")
+        norm1 = layer_norm(cfg.layer_norm_eps, name="attention_norm", dtype=dtype)
+        norm2 = layer_norm(cfg.layer_norm_eps, name="mlp_norm", dtype=dtype)
+        if self.pre_ln:
+            y = norm1(x_q)
+            x = x_q + drop(attend(y, y if x_kv is x_q else norm1(x_kv)), deterministic=not train)
+            return x + drop(mlp(norm2(x), train=train), deterministic=not train)
+        x = norm1(x_q + drop(attend(x_q, x_kv), deterministic=not train))
+        x = norm2(x + drop(mlp(x, train=train), deterministic=not train))
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class ConvLayer(nn.Module):
+    """DeBERTa-v2 convolution beside layer 0: LN(residual + act(dropout(conv(x) masked))) · mask."""
+
+    cfg: TextConfig
+
+    @nn.compact
+    def __call__(self, x: Array, residual: Array, token_mask: Array, train: bool) -> Array:
+        cfg = self.cfg
+        dtype = compute_dtype(cfg)
+        y = nn.Conv(cfg.hidden_size, (cfg.conv_kernel_size,), padding="SAME",
+                    feature_group_count=cfg.conv_groups, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.with_logical_partitioning(
+                        nn.initializers.normal(0.02), (None, None, "embed")),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                    name="conv")(x)
+        y = jnp.where(token_mask[..., None], y, 0)
+        y = ACTIVATIONS[cfg.conv_act](nn.Dropout(cfg.dropout_rate)(y, deterministic=not train))
+        out = layer_norm(cfg.layer_norm_eps, name="norm", dtype=dtype)(residual + y)
+        return out * token_mask[..., None].astype(out.dtype)
+
+
+class Encoder(nn.Module):
+    """Layer stack plus the scheme's shared position terms.
+
+    ``grid``: patch grid for images (2D relative positions); ``has_cls``: token 0 is [CLS].
+    """
+
+    cfg: Config
+    pre_ln: bool
+    grid: tuple[int, int] | None = None
+    has_cls: bool = True
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        scheme = cfg.position_scheme
+        untie = self.has_cls and not cfg.tie_cls   # TUPE's [CLS] reset (and TUPE-R's buckets)
+        if scheme in ("bert_rel", "tupe_r"):
+            self.relative_bias = T5RelativeBias(
+                cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
+                # On a grid [CLS] has no position: its pairs always use the two extra buckets.
+                untie_cls=(untie and scheme == "tupe_r") or (self.grid is not None and self.has_cls),
+                grid=self.grid)
+        if scheme.startswith("tupe"):
+            max_len = (cfg.max_position_embeddings if isinstance(cfg, TextConfig)
+                       else cfg.num_tokens)
+            self.tupe_bias = TupePositionBias(cfg.num_heads, cfg.head_dim, max_len,
+                                              eps=cfg.layer_norm_eps, untie_cls=untie)
+        if scheme in DEBERTA:
+            axes = 1 if self.grid is None else 2
+            self.rel_embeddings = self.param(
+                "rel_embeddings", nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                               ("pos", "embed")),
+                (axes * 2 * relative_span(cfg), cfg.hidden_size), jnp.float32)
+            if cfg.norm_rel_ebd:
+                self.rel_norm = layer_norm(cfg.layer_norm_eps, name="rel_norm",
+                                           dtype=jnp.float32)
+        if isinstance(cfg, TextConfig) and cfg.conv_kernel_size:
+            self.conv = ConvLayer(cfg)
+        # static_argnums counts self as argument 0: `train` is argument 6.
+        layer_cls = nn.remat(EncoderLayer, static_argnums=(6,)) if cfg.remat else EncoderLayer
+        self.layers = [layer_cls(cfg, self.pre_ln, self.grid, name=f"layer_{i}")
+                       for i in range(cfg.num_layers)]
+
+    def position_terms(self, length: int) -> dict[str, Array]:
+        """The additive terms every layer shares, computed once: {'bias': (h, L, L)} or
+        {'rel_table': (A·2k, H)}."""
+        cfg = self.cfg
+        scheme = cfg.position_scheme
+        terms: dict[str, Array] = {}
+        if scheme in DEBERTA:
+            table = self.rel_embeddings
+            if cfg.norm_rel_ebd:
+                table = self.rel_norm(table)
+            terms["rel_table"] = table.astype(compute_dtype(cfg))
+            return terms
+        bias = None
+        if scheme.startswith("tupe"):
+            bias = self.tupe_bias(length)
+        if scheme in ("bert_rel", "tupe_r"):
+            rel = self.relative_bias(length)
+            bias = rel if bias is None else bias + rel
+        if bias is not None:
+            terms["bias"] = bias[None]
+        return terms
+
+    def attention_mask(self, token_mask: Array) -> Array:
+        """(B, 1, Lq, Lk) bool. DeBERTa masks padded queries too (official XSoftmax)."""
+        keys = token_mask[:, None, None, :]
+        if self.cfg.position_scheme in DEBERTA:
+            return keys & token_mask[:, None, :, None]
+        return keys
+
+    def __call__(self, x: Array, token_mask: Array, *, train: bool = False,
+                 return_all: bool = False) -> Array | list[Array]:
+        """x: (B, L, H) embedded tokens; token_mask: (B, L) bool -> (B, L, H) (or every layer's)."""
+        terms = self.position_terms(x.shape[1])
+        mask = self.attention_mask(token_mask)
+        outputs = []
+        h = x
+        for i, layer in enumerate(self.layers):
+            out = layer(h, h, mask, terms, None, train)
+            if i == 0 and isinstance(self.cfg, TextConfig) and self.cfg.conv_kernel_size:
+                out = self.conv(x, out, token_mask, train)
+            outputs.append(out)
+            h = out
+        return outputs if return_all else h
+
+    def enhanced_mask_decoder(self, hidden_prev: Array, z: Array, token_mask: Array,
+                              query_positions: Array | None, train: bool = False) -> Array:
+        """DeBERTa EMD: the LAST layer run twice (shared weights), keys/values = H_{L−1}, the
+        first query H_{L−1} + P_abs, the second the first's output. Only ``query_positions``
+        (B, M) are decoded -> (B, M, H) (all positions when None)."""
+        terms = self.position_terms(hidden_prev.shape[1])
+        query = hidden_prev + z.astype(hidden_prev.dtype)
+        if query_positions is not None:
+            query = jnp.take_along_axis(query, query_positions[..., None], axis=1)
+        mask = token_mask[:, None, None, :]
+        layer = self.layers[-1]
+        for _ in range(2):
+            query = layer(query, hidden_prev, mask, terms, query_positions, train)
+        return query

@@ -1,0 +1,183 @@
+"""Text models: embeddings + the shared encoder, with MLM (optionally EMD) and GLUE heads.
+
+Inputs everywhere: ``input_ids`` (B, L) int, ``attention_mask`` (B, L) (1 = token, 0 = pad,
+right padding, token 0 = [CLS]), optional ``token_type_ids`` (B, L).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posjax.layers.attention import ACTIVATIONS, DEFAULT_INIT, dense, layer_norm
+from posjax.models.config import TextConfig
+from posjax.models.encoder import DEBERTA, Encoder, compute_dtype
+
+Array = jax.Array
+
+
+def _embed(num: int, features: int, names: tuple[str, str], name: str) -> nn.Embed:
+    return nn.Embed(num, features, param_dtype=jnp.float32, name=name,
+                    embedding_init=nn.with_logical_partitioning(DEFAULT_INIT, names))
+
+
+class TextEmbeddings(nn.Module):
+    """x = LN(E_word[ids] (+ E_pos[i]) (+ E_type[t]) (-> embed_proj)); DeBERTa then zeroes pads.
+
+    Absolute positions are added for BERT-A/R and DeBERTa with ``position_biased_input``; TUPE
+    adds none (its positions enter the attention logits). Returns (x, raw position embeddings or
+    None) — the latter is EMD's P_abs.
+    """
+
+    cfg: TextConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        e = cfg.input_embedding_size
+        self.word_embeddings = _embed(cfg.vocab_size, e, ("vocab", "embed"), "word_embeddings")
+        if self.has_position_table:
+            self.position_embeddings = _embed(cfg.max_position_embeddings, e, ("pos", "embed"),
+                                              "position_embeddings")
+        if cfg.type_vocab_size:
+            self.token_type_embeddings = _embed(cfg.type_vocab_size, e, (None, "embed"),
+                                                "token_type_embeddings")
+        if e != cfg.hidden_size:
+            self.embed_proj = dense(cfg.hidden_size, ("embed_in", "embed"), name="embed_proj",
+                                    dtype=compute_dtype(cfg), use_bias=False)
+        self.norm = layer_norm(cfg.layer_norm_eps, name="norm", dtype=compute_dtype(cfg))
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    @property
+    def has_position_table(self) -> bool:
+        cfg = self.cfg
+        if cfg.position_scheme in DEBERTA:
+            return cfg.max_position_embeddings > 0
+        return cfg.position_scheme in ("bert_abs", "bert_rel")
+
+    def __call__(self, input_ids: Array, token_mask: Array, token_type_ids: Array | None,
+                 train: bool) -> tuple[Array, Array | None]:
+        cfg = self.cfg
+        length = input_ids.shape[1]
+        x = self.word_embeddings(input_ids)
+        pos = None
+        if self.has_position_table:
+            if length > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {length} exceeds max_position_embeddings="
+                    f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
+            pos = self.position_embeddings(jnp.arange(length))[None]
+            if cfg.position_scheme not in DEBERTA or cfg.position_biased_input:
+                x = x + pos
+        if cfg.type_vocab_size:
+            types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            x = x + self.token_type_embeddings(types)
+        x = x.astype(compute_dtype(cfg))
+        if cfg.input_embedding_size != cfg.hidden_size:
+            x = self.embed_proj(x)
+        x = self.norm(x)
+        if cfg.position_scheme in DEBERTA:
+            x = x * token_mask[..., None].astype(x.dtype)
+        x = self.dropout(x, deterministic=not train)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), pos
+
+    def attend(self, x: Array) -> Array:
+        """Tied output projection x E_wordᵀ: (..., E) -> (..., V) in fp32."""
+        return self.word_embeddings.attend(x.astype(jnp.float32))
+
+
+class TextEncoder(nn.Module):
+    """Embeddings + encoder. ``__call__`` returns the last hidden states (B, L, H)."""
+
+    cfg: TextConfig
+
+    def setup(self) -> None:
+        self.embeddings = TextEmbeddings(self.cfg)
+        self.encoder = Encoder(self.cfg, pre_ln=False)
+
+    def _check_length(self, input_ids: Array) -> None:
+        cfg = self.cfg
+        if cfg.position_scheme in ("tupe_a", "tupe_r") and input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings="
+                f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
+
+    def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
+                 *, train: bool = False) -> Array:
+        return self.hidden_states(input_ids, attention_mask, token_type_ids, train=train)[0][-1]
+
+    def hidden_states(self, input_ids: Array, attention_mask: Array,
+                      token_type_ids: Array | None = None, *, train: bool = False
+                      ) -> tuple[list[Array], Array | None, Array]:
+        """(every layer's output, raw absolute positions or None, bool token mask)."""
+        self._check_length(input_ids)
+        token_mask = attention_mask.astype(bool)
+        x, pos = self.embeddings(input_ids, token_mask, token_type_ids, train)
+        return self.encoder(x, token_mask, train=train, return_all=True), pos, token_mask
+
+    def attend(self, x: Array) -> Array:
+        return self.embeddings.attend(x)
+
+
+class MlmHead(nn.Module):
+    """dense(H->E) -> act -> LN -> x E_wordᵀ + b (tied), fp32 logits."""
+
+    cfg: TextConfig
+
+    @nn.compact
+    def __call__(self, x: Array, attend) -> Array:
+        cfg = self.cfg
+        x = dense(cfg.input_embedding_size, ("embed", "embed_out"), name="dense",
+                  dtype=compute_dtype(cfg))(x)
+        x = ACTIVATIONS[cfg.hidden_act](x)
+        x = layer_norm(cfg.layer_norm_eps, name="norm", dtype=compute_dtype(cfg))(x)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                               ("vocab",)),
+                          (cfg.vocab_size,), jnp.float32)
+        return attend(x) + bias
+
+
+class TextForMaskedLM(nn.Module):
+    """Masked-LM logits (B, M, V) at ``masked_positions`` (B, M), or (B, L, V) at all positions.
+
+    With ``cfg.use_emd`` (DeBERTa) the enhanced mask decoder produces the states that are decoded.
+    """
+
+    cfg: TextConfig
+
+    def setup(self) -> None:
+        self.encoder = TextEncoder(self.cfg)
+        self.mlm_head = MlmHead(self.cfg)
+
+    def __call__(self, input_ids: Array, attention_mask: Array,
+                 token_type_ids: Array | None = None, masked_positions: Array | None = None,
+                 *, train: bool = False) -> Array:
+        layers, pos, token_mask = self.encoder.hidden_states(input_ids, attention_mask,
+                                                             token_type_ids, train=train)
+        if self.cfg.use_emd:
+            h = self.encoder.encoder.enhanced_mask_decoder(layers[-2], pos, token_mask,
+                                                           masked_positions, train=train)
+        else:
+            h = layers[-1]
+            if masked_positions is not None:
+                h = jnp.take_along_axis(h, masked_positions[..., None], axis=1)
+        return self.mlm_head(h, self.encoder.attend)
+
+
+class TextForSequenceClassification(nn.Module):
+    """GLUE head on [CLS]: logits = W · dropout(act(dense(dropout(h_0)))) + b; num_labels=1 is
+    regression (STS-B)."""
+
+    cfg: TextConfig
+    num_labels: int = 2
+
+    @nn.compact
+    def __call__(self, input_ids: Array, attention_mask: Array,
+                 token_type_ids: Array | None = None, *, train: bool = False) -> Array:
+        cfg = self.cfg
+        h = TextEncoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, train=train)
+        x = nn.Dropout(cfg.dropout_rate)(h[:, 0], deterministic=not train)
+        x = dense(cfg.hidden_size, ("embed", "mlp"), name="pooler", dtype=compute_dtype(cfg))(x)
+        x = ACTIVATIONS[cfg.pooler_act](x)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
+        return dense(self.num_labels, ("mlp", None), name="classifier",
+                     dtype=jnp.float32)(x.astype(jnp.float32))
