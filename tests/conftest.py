@@ -1,0 +1,20 @@
+"""Test setup: 8 fake CPU devices (set before jax is imported) and shared fixtures."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> pathlib.Path:
+    """../shared/data (real datasets); tests needing it skip when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent")
+    return SHARED_DATA
