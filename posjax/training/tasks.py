@@ -1,0 +1,246 @@
+"""Tasks: what a training run optimises, independent of sharding, steps and checkpoints.
+
+A task is a class bound to one run's config (``task = make_task(config)`` picks the class
+registered under ``config.task`` and calls ``cls(config)``). Subclass :class:`Task`, decorate it
+with ``@register_task``, and implement:
+
+``validate()``
+    Raise one ``ValueError`` for a bad model/data/task config (naming field, value and fix).
+    Called before anything is compiled or written. The constructor itself must not raise.
+``build_model() -> nn.Module``
+    The Flax module, from ``config.model``.
+``dummy_batch(batch_size) -> dict[str, np.ndarray]``
+    Zeros with the exact keys, shapes and dtypes the input pipeline yields (used for init and
+    for shardings). Every array has the batch as its leading axis.
+``model_inputs(batch) -> dict``
+    Keyword arguments of ``model.__call__`` (without ``train``) taken from a batch.
+``train_metrics(model, params, batch, rng) -> Metrics``
+    ``Metrics = {name: (sum, weight)}``, scalars summed over the (micro)batch. It must hold
+    ``'loss'``: the train step differentiates the loss sum and divides the gradient by the total
+    loss weight over all microbatches, so gradient accumulation is exact for any weighting
+    (masked tokens, padded examples). A metric is logged as Σsum / Σweight. ``rng`` feeds
+    dropout (``rngs={'dropout': ...}``) and any stochastic augmentation.
+``eval_outputs(model, params, batch) -> dict[str, Array]``
+    Per-example arrays (leading batch axis) computed with ``train=False``. The evaluator gathers
+    them over the whole split, drops padded examples (``batch['mask']`` False) and hands the
+    concatenation (numpy) to ``summarize``.
+``summarize(outputs) -> dict[str, float]``
+    Eval metrics over the whole split (accuracy, Matthews correlation, Spearman, ...).
+``make_pipeline(split, batch_size, seed, train, shard_index, shard_count)``
+    The input pipeline: an object with ``.iterator`` (checkpointable grain iterator yielding
+    numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
+    with the last batch padded, ``mask`` False) and ``.num_examples``.
+``flops_per_example() -> float``
+    Analytic forward+backward model FLOPs of one training example (for MFU), see ``flops.py``.
+
+Text tasks live in their own module listed in ``TASK_MODULES``; it is imported the first time
+``make_task`` is asked for a name not registered yet.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, ClassVar, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.models.config import ViTConfig
+from posjax.models.vit import ViT
+from posjax.training import flops
+
+Array = jax.Array
+Metrics = dict[str, tuple[Array, Array]]
+
+# Modules that call register_task(...) at import; imported lazily by get_task.
+TASK_MODULES: tuple[str, ...] = ("posjax.training.text_tasks",)
+
+
+class Task(abc.ABC):
+    """A run's task, bound to its config (see the module docstring for each method's contract)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    @abc.abstractmethod
+    def validate(self) -> None: ...
+
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module: ...
+
+    @abc.abstractmethod
+    def dummy_batch(self, batch_size: int) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def model_inputs(self, batch: Mapping[str, Array]) -> dict[str, Array]: ...
+
+    @abc.abstractmethod
+    def train_metrics(self, model: nn.Module, params: Any, batch: Mapping[str, Array],
+                      rng: Array) -> Metrics: ...
+
+    @abc.abstractmethod
+    def eval_outputs(self, model: nn.Module, params: Any,
+                     batch: Mapping[str, Array]) -> dict[str, Array]: ...
+
+    @abc.abstractmethod
+    def summarize(self, outputs: Mapping[str, np.ndarray]) -> dict[str, float]: ...
+
+    @abc.abstractmethod
+    def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
+                      shard_index: int, shard_count: int) -> Any: ...
+
+    @abc.abstractmethod
+    def flops_per_example(self) -> float: ...
+
+    def init_params(self, model: nn.Module, rng: Array, batch: Mapping[str, Array]) -> Any:
+        """Freshly initialised ``params`` collection (boxed with logical axis names)."""
+        params_rng, dropout_rng = jax.random.split(rng)
+        variables = model.init({"params": params_rng, "dropout": dropout_rng},
+                               **self.model_inputs(batch), train=False)
+        return variables["params"]
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: make ``cls`` selectable as ``config.task = cls.name``."""
+    other = _TASKS.get(cls.name)
+    if other is not None and other.__qualname__ != cls.__qualname__:
+        raise ValueError(f"task name {cls.name!r} is already registered by {other.__qualname__}")
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def make_task(config: Any) -> Task:
+    """The task ``config.task`` names, bound to ``config`` (not yet validated)."""
+    name = config.get("task", None)
+    if name not in _TASKS:
+        for module in TASK_MODULES:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name != module:
+                    raise
+    if name not in _TASKS:
+        raise ValueError(f"config.task={name!r} is not a registered task: choose one of "
+                         f"{sorted(_TASKS)}")
+    return _TASKS[name](config)
+
+
+def soft_cross_entropy(logits: Array, targets: Array) -> Array:
+    """−Σ_c t_c log softmax(z)_c per example: (B, C), (B, C) -> (B,), in fp32."""
+    return -jnp.sum(targets * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def smooth_labels(labels: Array, num_classes: int, smoothing: float) -> Array:
+    """One-hot with label smoothing: (1 − ε)·onehot + ε/C. (B,) int -> (B, C)."""
+    return jax.nn.one_hot(labels, num_classes) * (1.0 - smoothing) + smoothing / num_classes
+
+
+def mixup(images: Array, targets: Array, rng: Array, alpha: float) -> tuple[Array, Array]:
+    """x̃ = λx + (1−λ)x_π, ỹ = λy + (1−λ)y_π with λ ~ Beta(α, α) and π a roll by one example."""
+    lam = jax.random.beta(rng, alpha, alpha)
+    mix = lambda a: lam * a + (1.0 - lam) * jnp.roll(a, 1, axis=0)
+    return mix(images), mix(targets)
+
+
+@register_task
+class ImageClassification(Task):
+    """ViT on images: softmax cross-entropy (optional label smoothing and mixup), accuracy.
+
+    Batch: ``image`` float32 (B, H, W, C), ``label`` int32 (B,), ``mask`` bool (B,) (False for
+    padding). Config keys: ``model`` (ViTConfig fields), ``data`` (see posjax.data),
+    ``label_smoothing`` (ε, default 0), ``mixup_alpha`` (α, 0 = off).
+    """
+
+    name = "image_classification"
+
+    @property
+    def model_config(self) -> ViTConfig:
+        return ViTConfig.from_dict(_to_dict(self.config.model))
+
+    @property
+    def label_smoothing(self) -> float:
+        return float(self.config.get("label_smoothing", 0.0))
+
+    @property
+    def mixup_alpha(self) -> float:
+        return float(self.config.get("mixup_alpha", 0.0))
+
+    def validate(self) -> None:
+        cfg = self.model_config
+        if cfg.num_classes < 1:
+            raise ValueError(f"model.num_classes={cfg.num_classes} is not valid for "
+                             "image_classification: set it to the number of classes")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing} is not valid: "
+                             "must lie in [0, 1)")
+        if self.mixup_alpha < 0.0:
+            raise ValueError(f"mixup_alpha={self.mixup_alpha} is not valid: must be >= 0 "
+                             "(0 disables mixup)")
+        from posjax.data import validate_data_config
+        validate_data_config(self.config.data)
+        size = self.config.data.get("image_size", None)
+        if size is not None:
+            pair = (size, size) if isinstance(size, int) else tuple(size)
+            if pair != cfg.image_size:
+                raise ValueError(f"data.image_size={size} differs from model.image_size="
+                                 f"{cfg.image_size}: set both to the same size")
+
+    def build_model(self) -> nn.Module:
+        return ViT(self.model_config)
+
+    def dummy_batch(self, batch_size: int) -> dict[str, np.ndarray]:
+        cfg = self.model_config
+        return {"image": np.zeros((batch_size, *cfg.image_size, cfg.num_channels), np.float32),
+                "label": np.zeros((batch_size,), np.int32),
+                "mask": np.ones((batch_size,), bool)}
+
+    def model_inputs(self, batch: Mapping[str, Array]) -> dict[str, Array]:
+        return {"images": batch["image"]}
+
+    def train_metrics(self, model: nn.Module, params: Any, batch: Mapping[str, Array],
+                      rng: Array) -> Metrics:
+        mix_rng, dropout_rng = jax.random.split(rng)
+        targets = smooth_labels(batch["label"], model.cfg.num_classes, self.label_smoothing)
+        images = batch["image"]
+        if self.mixup_alpha > 0:
+            images, targets = mixup(images, targets, mix_rng, self.mixup_alpha)
+        logits = model.apply({"params": params}, images, train=True,
+                             rngs={"dropout": dropout_rng})
+        weight = batch["mask"].astype(jnp.float32)
+        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        count = jnp.sum(weight)
+        return {"loss": (jnp.sum(weight * soft_cross_entropy(logits, targets)), count),
+                "accuracy": (jnp.sum(weight * correct), count)}
+
+    def eval_outputs(self, model: nn.Module, params: Any,
+                     batch: Mapping[str, Array]) -> dict[str, Array]:
+        logits = model.apply({"params": params}, batch["image"], train=False)
+        targets = jax.nn.one_hot(batch["label"], logits.shape[-1])
+        return {"correct": jnp.argmax(logits, -1) == batch["label"],
+                "loss": soft_cross_entropy(logits, targets)}
+
+    def summarize(self, outputs: Mapping[str, np.ndarray]) -> dict[str, float]:
+        return {"accuracy": float(np.mean(outputs["correct"])),
+                "loss": float(np.mean(outputs["loss"])),
+                "num_examples": int(outputs["correct"].shape[0])}
+
+    def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
+                      shard_index: int, shard_count: int) -> Any:
+        from posjax.data import make_image_pipeline
+        return make_image_pipeline(self.config.data, split=split, batch_size=batch_size,
+                                   seed=seed, train=train, shard_index=shard_index,
+                                   shard_count=shard_count)
+
+    def flops_per_example(self) -> float:
+        return flops.vit_train_flops(self.model_config)
+
+
+def _to_dict(c: Any) -> dict[str, Any]:
+    return c.to_dict() if hasattr(c, "to_dict") else dict(c)
