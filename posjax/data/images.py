@@ -1,0 +1,375 @@
+"""Image classification input: Grain pipelines with ViT preprocessing, deterministic per seed.
+
+Configuration (``default_data_config(name)`` returns every key; ``validate_data_config``
+checks them before anything is opened, compiled or written):
+
+==================== ========================================================================
+key                  meaning
+==================== ========================================================================
+name                 ``digits`` (scikit-learn's bundled 8x8 digits, no files needed),
+                     ``mnist`` (IDX .gz folder), ``cifar10`` (folder of ``<split>.npz``),
+                     ``image_folder`` (``root/<split>/<class>/*.png|jpg``) or ``tfds``
+                     (a TFDS catalog dataset prepared as array_record; no TensorFlow)
+path                 folder of the local files (unused for ``digits`` and ``tfds``)
+tfds_name            TFDS catalog name, e.g. ``cifar10``, ``imagenet2012`` (``tfds`` only)
+data_dir             TFDS data dir ('' = TFDS default ``~/tensorflow_datasets``)
+train_split          split used for ``split='train'``; a name with an optional slice in TFDS
+                     syntax: ``train``, ``test[:8000]``, ``train[:80%]``
+test_split           split used for ``split='test'``
+image_size           side S of the square output images (S, S, C); resized bilinearly
+random_resized_crop  train only: crop a random box of area fraction in ``crop_scale`` and
+                     aspect ratio (w/h, log-uniform) in ``crop_ratio``, resized to S x S
+                     (Inception-style; 10 tries, else the whole image)
+crop_scale           (min, max) area fraction of the random crop, within (0, 1]
+crop_ratio           (min, max) aspect ratio w/h of the random crop
+flip                 train only: mirror left-right with probability 1/2
+mixup_alpha          train only: 0 = off; else one lam ~ Beta(a, a) per batch and
+                     x = lam x + (1 - lam) x[::-1] over the batch; the batch then also has
+                     ``label_soft`` float32 (b, num_classes) = the same mix of one-hot labels
+                     (``label`` keeps the unmixed integer label)
+mean, std            per-channel (or one shared) normalisation of pixels scaled to [0, 1]:
+                     x = (pixel / 255 - mean) / std
+worker_count         Grain worker processes (0 = read in the main process); results do not
+                     depend on it
+==================== ========================================================================
+
+Batches are dicts ``{'image': float32 (b, S, S, C), 'label': int32 (b,), 'mask': bool (b,)}``.
+Training iterators are infinite and reshuffled each epoch; evaluation iterators make one pass
+over the split, padding the last batch with ``mask=False`` examples so that every shard yields
+the same number of full batches. Each shard ``i`` of ``n`` reads examples ``i, i+n, i+2n, ...``.
+
+Determinism: Grain derives the shuffle order from (seed, epoch) and each example's augmentation
+RNG from (seed, position in the repeated stream), so batches depend only on the seed, never on
+``worker_count``. Mixup draws one RNG per batch from (seed, batch number).
+
+Resampling convention: output pixel centre ``i + 1/2`` of S maps to source coordinate
+``y0 + (i + 1/2) h / S - 1/2`` inside the box (y0, x0, h, w) (half-pixel centres, as in
+``jax.image.resize``), bilinear, edges clamped, no antialiasing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+from typing import Any, Callable
+
+import grain
+import ml_collections
+import numpy as np
+
+from posjax.data import sources
+
+NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
+LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
+_CROP_TRIES = 10
+
+Example = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def default_data_config(name: str = "digits") -> ml_collections.ConfigDict:
+    """Every data key with the defaults for ``name`` (see the module docstring)."""
+    if name not in NAMES:
+        raise ValueError(f"data name {name!r} is unknown; choose one of {', '.join(NAMES)}")
+    channels = 1 if name in ("digits", "mnist") else 3
+    natural = name in ("cifar10", "image_folder", "tfds")
+    return ml_collections.ConfigDict({
+        "name": name,
+        "path": "",
+        "tfds_name": "",
+        "data_dir": "",
+        "train_split": "train_20k" if name == "cifar10" else "train",
+        "test_split": "test",
+        "image_size": {"digits": 8, "mnist": 28, "cifar10": 32}.get(name, 224),
+        "random_resized_crop": natural,
+        "crop_scale": (0.08, 1.0) if name in ("image_folder", "tfds") else (0.25, 1.0),
+        "crop_ratio": (3 / 4, 4 / 3),
+        "flip": natural,
+        "mixup_alpha": 0.0,
+        "mean": (0.5,) * channels,
+        "std": (0.5,) * channels,
+        "worker_count": 0,
+    })
+
+
+def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Every problem with ``cfg`` as 'field=value: fix' lines (empty when valid)."""
+    missing = sorted(set(default_data_config("digits")) - set(cfg))
+    if missing:
+        return [f"keys {missing} are missing: start from posjax.data.default_data_config(name)"]
+    out = []
+
+    def check(ok: bool, field: str, fix: str) -> None:
+        if not ok:
+            out.append(f"data.{field}={cfg[field]!r}: {fix}")
+
+    def is_pair(v: Any) -> bool:
+        return (isinstance(v, (tuple, list)) and len(v) == 2
+                and all(isinstance(x, (int, float)) for x in v))
+
+    check(cfg.name in NAMES, "name", f"choose one of {', '.join(NAMES)}")
+    check(isinstance(cfg.image_size, int) and cfg.image_size > 0, "image_size",
+          "must be a positive integer")
+    check(is_pair(cfg.crop_scale) and 0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1,
+          "crop_scale", "must be (min, max) with 0 < min <= max <= 1")
+    check(is_pair(cfg.crop_ratio) and 0 < cfg.crop_ratio[0] <= cfg.crop_ratio[1],
+          "crop_ratio", "must be (min, max) with 0 < min <= max")
+    check(isinstance(cfg.mixup_alpha, (int, float)) and cfg.mixup_alpha >= 0, "mixup_alpha",
+          "must be >= 0 (0 turns mixup off)")
+    check(isinstance(cfg.worker_count, int) and cfg.worker_count >= 0, "worker_count",
+          "must be an integer >= 0 (0 = no worker processes)")
+    for field in ("mean", "std"):
+        v = cfg[field]
+        check(isinstance(v, (tuple, list)) and len(v) in (1, 3)
+              and all(isinstance(x, (int, float)) for x in v), field,
+              "must be a tuple of 1 (shared) or 3 (per channel) numbers")
+    check(all(isinstance(x, (int, float)) and x > 0 for x in cfg.std), "std",
+          "every entry must be > 0")
+    for field in ("train_split", "test_split"):
+        try:
+            sources.parse_split(cfg[field])
+        except (ValueError, AttributeError) as e:
+            out.append(f"data.{field}={cfg[field]!r}: {e}")
+    if out or cfg.name not in NAMES:
+        return out
+    if cfg.name == "tfds":
+        from posjax.data import tfds_sources
+
+        return tfds_sources.problems(cfg.tfds_name, cfg.data_dir,
+                                     {"train_split": cfg.train_split,
+                                      "test_split": cfg.test_split})
+    if cfg.name in LOCAL_WITH_PATH:
+        root = pathlib.Path(cfg.path).expanduser() if cfg.path else None
+        if root is None or not root.is_dir():
+            return [f"data.path={cfg.path!r}: {cfg.name} needs the folder holding its files; "
+                    "set --config.data.path=/path/to/folder"]
+    root = pathlib.Path(cfg.path).expanduser()
+    names = sources.local_split_names(cfg.name, root)
+    for field in ("train_split", "test_split"):
+        base, _, _ = sources.parse_split(cfg[field])
+        check(base in names, field, f"no such split in {cfg.path or cfg.name}; "
+              f"it offers {names or 'no splits (wrong folder?)'}")
+    return out
+
+
+def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
+    """Raises one ValueError listing every problem (field, value, fix); checks files exist."""
+    problems = _problems(cfg)
+    if problems:
+        raise ValueError("bad data config:\n  " + "\n  ".join(problems))
+
+
+def open_split(cfg: ml_collections.ConfigDict, split: str):
+    """The random-access source of one split spec, and the example range the spec selects."""
+    if cfg.name == "tfds":
+        from posjax.data import tfds_sources
+
+        source = tfds_sources.tfds_source(cfg.tfds_name, split, cfg.data_dir)
+        return source, range(len(source))
+    source = sources.open_local_split(cfg.name, pathlib.Path(cfg.path).expanduser(), split)
+    return source, sources.split_range(split, len(source))
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def sample_crop_box(rng: np.random.Generator, height: int, width: int,
+                    scale: tuple[float, float], ratio: tuple[float, float]) -> np.ndarray:
+    """Inception-style box (y0, x0, h, w) in pixels, float32 (4,).
+
+    Area fraction ~ U(scale), aspect ratio w/h ~ exp U(log ratio); the first of 10 candidates
+    that fits the image wins, placed uniformly; if none fits, the whole image.
+    """
+    area = height * width * rng.uniform(scale[0], scale[1], _CROP_TRIES)
+    aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), _CROP_TRIES))
+    w, h = np.sqrt(area * aspect), np.sqrt(area / aspect)
+    fits = np.flatnonzero((w <= width) & (h <= height))
+    offsets = rng.uniform(0.0, 1.0, 2)
+    if fits.size == 0:
+        return np.array([0, 0, height, width], np.float32)
+    h, w = h[fits[0]], w[fits[0]]
+    return np.array([offsets[0] * (height - h), offsets[1] * (width - w), h, w], np.float32)
+
+
+def full_box(height: int, width: int) -> np.ndarray:
+    """The box (y0, x0, h, w) covering the whole image."""
+    return np.array([0, 0, height, width], np.float32)
+
+
+def add_train_view(example: Example, rng: np.random.Generator, *, crop: bool, flip: bool,
+                   scale: tuple[float, float], ratio: tuple[float, float]) -> Example:
+    """Adds 'box' float32 (4,) and 'flip' bool drawn from the example's own RNG."""
+    height, width = example["image"].shape[:2]
+    box = sample_crop_box(rng, height, width, scale, ratio) if crop else full_box(height, width)
+    return {**example, "box": box, "flip": np.bool_(flip and rng.uniform() < 0.5)}
+
+
+def add_full_view(example: Example) -> Example:
+    """Adds the identity view: the whole image, not flipped (evaluation)."""
+    height, width = example["image"].shape[:2]
+    return {**example, "box": full_box(height, width), "flip": np.bool_(False)}
+
+
+def resample(images: np.ndarray, boxes: np.ndarray, flips: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear crop-and-resize of a batch: (b, H, W, C) -> float32 (b, S, S, C).
+
+    ``boxes`` (b, 4) = (y0, x0, h, w) in source pixels; ``flips`` (b,) mirrors left-right.
+    Output pixel i samples source coordinate y0 + (i + 1/2) h / S - 1/2, clamped to the image.
+    """
+    height, width = images.shape[1:3]
+    t = (np.arange(size, dtype=np.float32) + 0.5) / size
+    ys = boxes[:, 0:1] + t * boxes[:, 2:3] - 0.5
+    xs = boxes[:, 1:2] + t * boxes[:, 3:4] - 0.5
+    xs = np.where(flips[:, None], xs[:, ::-1], xs)
+    ys, xs = np.clip(ys, 0, height - 1), np.clip(xs, 0, width - 1)
+    y0, x0 = np.floor(ys).astype(np.int32), np.floor(xs).astype(np.int32)
+    y1, x1 = np.minimum(y0 + 1, height - 1), np.minimum(x0 + 1, width - 1)
+    wy, wx = (ys - y0)[:, :, None, None], (xs - x0)[:, None, :, None]
+    batch = np.arange(len(images))[:, None, None]
+
+    def rows(y: np.ndarray) -> np.ndarray:  # (b, S, S, C): row y, interpolated along x
+        left = images[batch, y[:, :, None], x0[:, None, :]]
+        right = images[batch, y[:, :, None], x1[:, None, :]]
+        return left + wx * (right.astype(np.float32) - left)
+
+    top, bottom = rows(y0), rows(y1)
+    return top + wy * (bottom - top)
+
+
+def resample_example(example: Example, *, size: int) -> Example:
+    """``resample`` for one example of any size (sources whose images differ in size)."""
+    image = resample(example["image"][None], example["box"][None], example["flip"][None], size)
+    return {**example, "image": image[0]}
+
+
+def resample_batch(batch: Example, *, size: int) -> Example:
+    """``resample`` over a batch whose images share one size (vectorised)."""
+    return {**batch, "image": resample(batch["image"], batch["box"], batch["flip"], size)}
+
+
+def finish_batch(batch: Example, *, mean: np.ndarray, std: np.ndarray) -> Example:
+    """float32 x = (pixel / 255 - mean) / std; keeps only image, label, mask."""
+    image = (batch["image"].astype(np.float32) / 255.0 - mean) / std
+    return {"image": image.astype(np.float32), "label": batch["label"].astype(np.int32),
+            "mask": batch["mask"].astype(bool)}
+
+
+def mixup(batch: Example, rng: np.random.Generator, *, alpha: float,
+          num_classes: int) -> Example:
+    """lam ~ Beta(alpha, alpha); image and one-hot label mixed with the reversed batch."""
+    lam = np.float32(rng.beta(alpha, alpha))
+    onehot = np.eye(num_classes, dtype=np.float32)[batch["label"]]
+    image = lam * batch["image"] + (1 - lam) * batch["image"][::-1]
+    soft = lam * onehot + (1 - lam) * onehot[::-1]
+    return {**batch, "image": image.astype(np.float32), "label_soft": soft}
+
+
+def with_mask(example: Example, *, real: bool = True) -> Example:
+    return {"image": example["image"], "label": example["label"], "mask": np.bool_(real)}
+
+
+def mask_beyond(index: int, example: Example, *, num_real: int) -> Example:
+    """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
+    return with_mask(example, real=index < num_real)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePipeline:
+    """A ready iterator plus what the model needs to know about the data.
+
+    ``dataset``: the Grain IterDataset (``iter(dataset)`` starts a fresh pass);
+    ``num_examples``: examples in the (sliced) split over all shards;
+    ``num_batches``: eval batches per shard (equal on every shard); None for training.
+    """
+    iterator: grain.DatasetIterator
+    dataset: grain.IterDataset
+    num_examples: int
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    num_batches: int | None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_call(cfg, split, batch_size, seed, shard_index, shard_count) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}: choose 'train' or 'test'")
+    if not (isinstance(batch_size, int) and batch_size > 0):
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+    if not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32)")
+    if not (isinstance(shard_count, int) and shard_count >= 1
+            and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
+        raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
+                         "0 <= shard_index < shard_count (use jax.process_index/_count)")
+    validate_data_config(cfg)
+
+
+def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size: int,
+                        seed: int, train: bool, shard_index: int = 0,
+                        shard_count: int = 1) -> ImagePipeline:
+    """The Grain pipeline of ``cfg.train_split`` or ``cfg.test_split`` for one shard.
+
+    train=True: infinite, reshuffled each epoch, augmented, full batches of ``batch_size``.
+    train=False: one pass, no augmentation, last batch padded with mask=False.
+    """
+    _check_call(cfg, split, batch_size, seed, shard_index, shard_count)
+    source, selected = open_split(cfg, cfg.train_split if split == "train" else cfg.test_split)
+    height, width, channels = source.image_shape
+    size = cfg.image_size
+    if len(cfg.mean) not in (1, channels) or len(cfg.std) not in (1, channels):
+        raise ValueError(f"data.mean={tuple(cfg.mean)!r}, data.std={tuple(cfg.std)!r}: give 1 "
+                         f"or {channels} values ({cfg.name} images have {channels} channels)")
+    if len(selected) < shard_count:
+        raise ValueError(f"split {split!r} selects {len(selected)} examples, fewer than "
+                         f"shard_count={shard_count}; widen data.{split}_split")
+
+    ds = grain.MapDataset.source(source)[selected.start:selected.stop][shard_index::shard_count]
+    ds = ds.seed(seed)
+    augment = train and (cfg.random_resized_crop or cfg.flip)
+    if train:
+        ds = ds.shuffle().repeat().map(with_mask)
+        num_batches = None
+    else:
+        num_real = len(ds)
+        num_batches = _ceil_div(_ceil_div(len(selected), shard_count), batch_size)
+        padded = num_batches * batch_size
+        ds = ds.repeat(_ceil_div(padded, num_real))[:padded].map_with_index(
+            functools.partial(mask_beyond, num_real=num_real))
+
+    fixed_size = height is not None
+    if augment or not (fixed_size and (height, width) == (size, size)):
+        if augment:
+            ds = ds.random_map(functools.partial(
+                add_train_view, crop=cfg.random_resized_crop, flip=cfg.flip,
+                scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio)))
+        else:
+            ds = ds.map(add_full_view)
+        if fixed_size:
+            ds = ds.batch(batch_size, drop_remainder=True).map(
+                functools.partial(resample_batch, size=size))
+        else:
+            ds = ds.map(functools.partial(resample_example, size=size)).batch(
+                batch_size, drop_remainder=True)
+    else:
+        ds = ds.batch(batch_size, drop_remainder=True)
+    ds = ds.map(functools.partial(finish_batch, mean=np.float32(cfg.mean),
+                                  std=np.float32(cfg.std)))
+    if train and cfg.mixup_alpha > 0:
+        ds = ds.random_map(functools.partial(mixup, alpha=float(cfg.mixup_alpha),
+                                             num_classes=source.num_classes))
+
+    iter_ds = ds.to_iter_dataset()
+    if cfg.worker_count > 0:
+        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),
+                         num_classes=source.num_classes, image_shape=(size, size, channels),
+                         num_batches=num_batches)
