@@ -137,9 +137,9 @@ def soft_cross_entropy(logits: Array, targets: Array) -> Array:
     return -jnp.sum(targets * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def smooth_labels(labels: Array, num_classes: int, smoothing: float) -> Array:
-    """One-hot with label smoothing: (1 − ε)·onehot + ε/C. (B,) int -> (B, C)."""
-    return jax.nn.one_hot(labels, num_classes) * (1.0 - smoothing) + smoothing / num_classes
+def smooth_labels(targets: Array, smoothing: float) -> Array:
+    """Label smoothing of (soft) targets (B, C): (1 − ε)·t + ε/C."""
+    return targets * (1.0 - smoothing) + smoothing / targets.shape[-1]
 
 
 def mixup(images: Array, targets: Array, rng: Array, alpha: float) -> tuple[Array, Array]:
@@ -151,11 +151,12 @@ def mixup(images: Array, targets: Array, rng: Array, alpha: float) -> tuple[Arra
 
 @register_task
 class ImageClassification(Task):
-    """ViT on images: softmax cross-entropy (optional label smoothing and mixup), accuracy.
+    """ViT on images: softmax cross-entropy with optional label smoothing, and accuracy.
 
     Batch: ``image`` float32 (B, H, W, C), ``label`` int32 (B,), ``mask`` bool (B,) (False for
-    padding). Config keys: ``model`` (ViTConfig fields), ``data`` (see posjax.data),
-    ``label_smoothing`` (ε, default 0), ``mixup_alpha`` (α, 0 = off).
+    padding), and with ``data.mixup_alpha > 0`` (mixup is done by the input pipeline)
+    ``label_soft`` float32 (B, classes), the mixed one-hot targets. Config keys: ``model``
+    (ViTConfig fields), ``data`` (posjax.data), ``label_smoothing`` (ε, default 0).
     """
 
     name = "image_classification"
@@ -169,8 +170,8 @@ class ImageClassification(Task):
         return float(self.config.get("label_smoothing", 0.0))
 
     @property
-    def mixup_alpha(self) -> float:
-        return float(self.config.get("mixup_alpha", 0.0))
+    def mixup(self) -> bool:
+        return float(self.config.data.get("mixup_alpha", 0.0)) > 0
 
     def validate(self) -> None:
         cfg = self.model_config
@@ -180,9 +181,6 @@ class ImageClassification(Task):
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={self.label_smoothing} is not valid: "
                              "must lie in [0, 1)")
-        if self.mixup_alpha < 0.0:
-            raise ValueError(f"mixup_alpha={self.mixup_alpha} is not valid: must be >= 0 "
-                             "(0 disables mixup)")
         from posjax.data import validate_data_config
         validate_data_config(self.config.data)
         size = self.config.data.get("image_size", None)
@@ -197,22 +195,24 @@ class ImageClassification(Task):
 
     def dummy_batch(self, batch_size: int) -> dict[str, np.ndarray]:
         cfg = self.model_config
-        return {"image": np.zeros((batch_size, *cfg.image_size, cfg.num_channels), np.float32),
-                "label": np.zeros((batch_size,), np.int32),
-                "mask": np.ones((batch_size,), bool)}
+        batch = {"image": np.zeros((batch_size, *cfg.image_size, cfg.num_channels), np.float32),
+                 "label": np.zeros((batch_size,), np.int32),
+                 "mask": np.ones((batch_size,), bool)}
+        if self.mixup:
+            batch["label_soft"] = np.zeros((batch_size, cfg.num_classes), np.float32)
+        return batch
 
     def model_inputs(self, batch: Mapping[str, Array]) -> dict[str, Array]:
         return {"images": batch["image"]}
 
     def train_metrics(self, model: nn.Module, params: Any, batch: Mapping[str, Array],
                       rng: Array) -> Metrics:
-        mix_rng, dropout_rng = jax.random.split(rng)
-        targets = smooth_labels(batch["label"], model.cfg.num_classes, self.label_smoothing)
-        images = batch["image"]
-        if self.mixup_alpha > 0:
-            images, targets = mixup(images, targets, mix_rng, self.mixup_alpha)
-        logits = model.apply({"params": params}, images, train=True,
-                             rngs={"dropout": dropout_rng})
+        targets = batch.get("label_soft")
+        if targets is None:
+            targets = jax.nn.one_hot(batch["label"], model.cfg.num_classes)
+        targets = smooth_labels(targets, self.label_smoothing)
+        logits = model.apply({"params": params}, batch["image"], train=True,
+                             rngs={"dropout": rng})
         weight = batch["mask"].astype(jnp.float32)
         correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
         count = jnp.sum(weight)

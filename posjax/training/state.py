@@ -1,0 +1,186 @@
+"""Train state, its shardings, sharded initialisation and ``init_from`` (pretrained params).
+
+Sharded init: ``eval_shape`` of the boxed params gives the logical axis names -> NamedShardings
+(``mesh.logical_shardings``); the optimizer state inherits each parameter's sharding
+(``optax.tree_map_params``); ``jit(init, out_shardings=...)`` then materialises every array
+directly on its devices, unboxed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, Sharding
+
+from posjax.layers.positions import resample_position_table
+from posjax.training import mesh as mesh_lib
+from posjax.training.tasks import Task
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step () int32; params and opt_state: fp32 trees (unboxed)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, Sharding)
+
+
+def abstract_state(task: Task, model: nn.Module, tx: optax.GradientTransformation,
+                   mesh: Mesh, seed: int) -> tuple[TrainState, TrainState]:
+    """(abstract state with shardings attached, the state's NamedShardings) — no compute."""
+    batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(mesh_lib.batch_shards(mesh)).items()}
+    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+        boxed = jax.eval_shape(lambda: task.init_params(model, jax.random.PRNGKey(seed), batch))
+    param_shardings = mesh_lib.logical_shardings(boxed, mesh)
+    params = nn.unbox(boxed)
+    opt_state = jax.eval_shape(tx.init, params)
+    replicated = mesh_lib.replicated(mesh)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, opt_state, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=_is_sharding)
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                        opt_state=opt_state)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+    return abstract, shardings
+
+
+def init_state(task: Task, model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+               shardings: TrainState, seed: int) -> TrainState:
+    """Fresh state, initialised inside jit straight onto its shardings (params from ``seed``)."""
+    batch_size = mesh_lib.batch_shards(mesh)
+
+    def init() -> TrainState:
+        batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(batch_size).items()}
+        params = nn.unbox(task.init_params(model, jax.random.PRNGKey(seed), batch))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(params))
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+        return jax.jit(init, out_shardings=shardings)()
+
+
+# ----------------------------------------------------------------------------- init_from
+
+
+def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
+                    ) -> tuple[dict[str, np.ndarray | jax.Array], dict[str, Any]]:
+    """Params saved by the converter (``<path>/params``: orbax StandardCheckpointer of
+    ``{'params': tree}``, plus ``<path>/model_config.json``), as {keystr path: array}.
+
+    Leaves whose path and shape match the target are restored straight onto the target's
+    sharding; the others are restored replicated (they may be resampled or skipped).
+    """
+    import orbax.checkpoint as ocp
+
+    root = pathlib.Path(path).expanduser().resolve()
+    meta = ocp.StandardCheckpointer().metadata(root / "params")
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    target = _flatten(target_params)
+    shardings = _flatten(param_shardings)
+    any_sharding = next(iter(shardings.values()))
+    replicated = NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
+
+    def abstract(path, m):
+        key = jax.tree_util.keystr(path[1:])   # drop the leading 'params'
+        shape = tuple(m.shape)
+        same = key in target and tuple(target[key].shape) == shape
+        return jax.ShapeDtypeStruct(shape, m.dtype,
+                                    sharding=shardings[key] if same else replicated)
+
+    restore_target = jax.tree_util.tree_map_with_path(
+        abstract, dict(tree), is_leaf=lambda x: hasattr(x, "shape"))
+    with ocp.StandardCheckpointer() as ckptr:
+        loaded = ckptr.restore(root / "params", restore_target)
+    model_cfg = {}
+    cfg_file = root / "model_config.json"
+    if cfg_file.exists():
+        model_cfg = json.loads(cfg_file.read_text())
+    return _flatten(loaded["params"]), model_cfg
+
+
+def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
+                     pretrained_config: dict[str, Any]) -> tuple[Any, list[str]]:
+    """Replace leaves of ``params`` by ``loaded`` ones with the same path.
+
+    Same shape: taken as is. ViT ``pos_embedding`` with another token count: resampled to the
+    new grid (bilinear, vit_jax convention; the [CLS] row, present when the model has a ``cls``
+    parameter, is kept; the old grid comes from the pretrained model config, else square). Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the
+    fresh init. Returns (params, log lines).
+    """
+    flat_shardings = _flatten(shardings)
+    num_prefix_tokens = 1 if "['cls']" in flat_shardings else 0
+    notes = []
+    used = set()
+
+    def pick(path, fresh):
+        key = jax.tree_util.keystr(path)
+        if key not in loaded:
+            notes.append(f"{key}: not in the checkpoint, keeps its init {tuple(fresh.shape)}")
+            return fresh
+        used.add(key)
+        old = loaded[key]
+        if tuple(old.shape) == tuple(fresh.shape):
+            return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
+        if key.endswith("['pos_embedding']") and old.ndim == 3 and old.shape[2] == fresh.shape[2]:
+            old_grid = _grid(pretrained_config, old.shape[1] - num_prefix_tokens)
+            new_grid = _grid({}, fresh.shape[1] - num_prefix_tokens)
+            table = resample_position_table(jnp.asarray(old), old_grid, new_grid,
+                                            num_prefix_tokens=num_prefix_tokens)
+            notes.append(f"{key}: resampled grid {old_grid} -> {new_grid}")
+            return jax.device_put(table.astype(fresh.dtype), flat_shardings[key])
+        notes.append(f"{key}: shape {tuple(old.shape)} in the checkpoint, "
+                     f"{tuple(fresh.shape)} here; keeps its init")
+        return fresh
+
+    merged = jax.tree_util.tree_map_with_path(pick, params)
+    notes += [f"{k}: in the checkpoint but not in this model, ignored"
+              for k in sorted(set(loaded) - used)]
+    return merged, notes
+
+
+def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
+    """Patch grid: from image_size/patch_size in a (possibly nested) model config, else square."""
+    cfg = model_cfg.get("model", model_cfg.get("config", model_cfg))
+    if "image_size" in cfg and "patch_size" in cfg:
+        size = cfg["image_size"]
+        patch = cfg["patch_size"]
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+        if grid[0] * grid[1] == tokens:
+            return grid
+    side = math.isqrt(tokens)
+    if side * side != tokens:
+        raise ValueError(f"cannot infer the patch grid of a position table with {tokens} patch "
+                         "rows: give image_size and patch_size in model_config.json")
+    return side, side
+
+
+def _flatten(tree: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def load_init_from(state: TrainState, path: str, shardings: TrainState) -> TrainState:
+    """``state`` with params from the converter checkpoint at ``path`` (see merge_pretrained)."""
+    loaded, pretrained_cfg = read_pretrained(path, state.params, shardings.params)
+    params, notes = merge_pretrained(state.params, loaded, shardings.params, pretrained_cfg)
+    for line in notes:
+        logging.info("init_from %s: %s", path, line)
+    return state.replace(params=params)
