@@ -183,15 +183,15 @@ def sample_crop_box(rng: np.random.Generator, height: int, width: int,
     Area fraction ~ U(scale), aspect ratio w/h ~ exp U(log ratio); the first of 10 candidates
     that fits the image wins, placed uniformly; if none fits, the whole image.
     """
-    area = height * width * rng.uniform(scale[0], scale[1], _CROP_TRIES)
-    aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), _CROP_TRIES))
-    w, h = np.sqrt(area * aspect), np.sqrt(area / aspect)
-    fits = np.flatnonzero((w <= width) & (h <= height))
-    offsets = rng.uniform(0.0, 1.0, 2)
-    if fits.size == 0:
-        return np.array([0, 0, height, width], np.float32)
-    h, w = h[fits[0]], w[fits[0]]
-    return np.array([offsets[0] * (height - h), offsets[1] * (width - w), h, w], np.float32)
+    u = rng.random(2 * _CROP_TRIES + 2).tolist()
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for i in range(_CROP_TRIES):
+        area = height * width * (scale[0] + (scale[1] - scale[0]) * u[2 * i])
+        aspect = math.exp(log_lo + (log_hi - log_lo) * u[2 * i + 1])
+        h, w = math.sqrt(area / aspect), math.sqrt(area * aspect)
+        if h <= height and w <= width:
+            return np.array([u[-2] * (height - h), u[-1] * (width - w), h, w], np.float32)
+    return full_box(height, width)
 
 
 def full_box(height: int, width: int) -> np.ndarray:
@@ -199,44 +199,59 @@ def full_box(height: int, width: int) -> np.ndarray:
     return np.array([0, 0, height, width], np.float32)
 
 
-def add_train_view(example: Example, rng: np.random.Generator, *, crop: bool, flip: bool,
-                   scale: tuple[float, float], ratio: tuple[float, float]) -> Example:
-    """Adds 'box' float32 (4,) and 'flip' bool drawn from the example's own RNG."""
+def train_view(example: Example, rng: np.random.Generator, *, crop: bool, flip: bool,
+               scale: tuple[float, float], ratio: tuple[float, float]) -> Example:
+    """Adds 'box' (4,) and 'flip' drawn from the example's own RNG, and mask=True."""
     height, width = example["image"].shape[:2]
     box = sample_crop_box(rng, height, width, scale, ratio) if crop else full_box(height, width)
-    return {**example, "box": box, "flip": np.bool_(flip and rng.uniform() < 0.5)}
+    return {**example, "mask": np.bool_(True), "box": box,
+            "flip": np.bool_(flip and rng.random() < 0.5)}
 
 
-def add_full_view(example: Example) -> Example:
-    """Adds the identity view: the whole image, not flipped (evaluation)."""
+def full_view(example: Example, *, real: bool = True) -> Example:
+    """Adds the identity view (whole image, not flipped) and 'mask' = ``real``."""
     height, width = example["image"].shape[:2]
-    return {**example, "box": full_box(height, width), "flip": np.bool_(False)}
+    return {**example, "mask": np.bool_(real), "box": full_box(height, width),
+            "flip": np.bool_(False)}
+
+
+def eval_view(index: int, example: Example, *, num_real: int) -> Example:
+    """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
+    return full_view(example, real=index < num_real)
+
+
+def bilinear_taps(start: np.ndarray, length: np.ndarray, extent: int,
+                  size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Taps along one axis for boxes [start, start + length) of (b,) resampled to ``size``.
+
+    Output i reads coordinate c = start + (i + 1/2) length / size - 1/2 clamped to
+    [0, extent - 1]: lower index floor(c), upper index (clamped), upper weight c - floor(c);
+    each (b, size).
+    """
+    t = (np.arange(size, dtype=np.float32) + 0.5) / size
+    coord = np.clip(start[:, None] + t * length[:, None] - 0.5, 0, extent - 1)
+    floor = np.floor(coord)
+    lower = floor.astype(np.int32)
+    return lower, np.minimum(lower + 1, extent - 1), (coord - floor).astype(np.float32)
 
 
 def resample(images: np.ndarray, boxes: np.ndarray, flips: np.ndarray, size: int) -> np.ndarray:
     """Bilinear crop-and-resize of a batch: (b, H, W, C) -> float32 (b, S, S, C).
 
     ``boxes`` (b, 4) = (y0, x0, h, w) in source pixels; ``flips`` (b,) mirrors left-right.
-    Output pixel i samples source coordinate y0 + (i + 1/2) h / S - 1/2, clamped to the image.
+    Separable: interpolate whole source rows first, then columns (row gathers are fast).
     """
     height, width = images.shape[1:3]
-    t = (np.arange(size, dtype=np.float32) + 0.5) / size
-    ys = boxes[:, 0:1] + t * boxes[:, 2:3] - 0.5
-    xs = boxes[:, 1:2] + t * boxes[:, 3:4] - 0.5
-    xs = np.where(flips[:, None], xs[:, ::-1], xs)
-    ys, xs = np.clip(ys, 0, height - 1), np.clip(xs, 0, width - 1)
-    y0, x0 = np.floor(ys).astype(np.int32), np.floor(xs).astype(np.int32)
-    y1, x1 = np.minimum(y0 + 1, height - 1), np.minimum(x0 + 1, width - 1)
-    wy, wx = (ys - y0)[:, :, None, None], (xs - x0)[:, None, :, None]
-    batch = np.arange(len(images))[:, None, None]
-
-    def rows(y: np.ndarray) -> np.ndarray:  # (b, S, S, C): row y, interpolated along x
-        left = images[batch, y[:, :, None], x0[:, None, :]]
-        right = images[batch, y[:, :, None], x1[:, None, :]]
-        return left + wx * (right.astype(np.float32) - left)
-
-    top, bottom = rows(y0), rows(y1)
-    return top + wy * (bottom - top)
+    y_lo, y_hi, wy = bilinear_taps(boxes[:, 0], boxes[:, 2], height, size)
+    x_lo, x_hi, wx = bilinear_taps(boxes[:, 1], boxes[:, 3], width, size)
+    mirror = flips[:, None]
+    x_lo, x_hi, wx = (np.where(mirror, a[:, ::-1], a) for a in (x_lo, x_hi, wx))
+    batch = np.arange(len(images))[:, None]
+    top = images[batch, y_lo].astype(np.float32)                   # (b, S, W, C)
+    rows = (top + wy[:, :, None, None] * (images[batch, y_hi] - top)).transpose(0, 2, 1, 3)
+    left = rows[batch, x_lo]                                       # (b, S_x, S_y, C)
+    out = left + wx[:, :, None, None] * (rows[batch, x_hi] - left)
+    return out.transpose(0, 2, 1, 3)
 
 
 def resample_example(example: Example, *, size: int) -> Example:
@@ -252,8 +267,8 @@ def resample_batch(batch: Example, *, size: int) -> Example:
 
 def finish_batch(batch: Example, *, mean: np.ndarray, std: np.ndarray) -> Example:
     """float32 x = (pixel / 255 - mean) / std; keeps only image, label, mask."""
-    image = (batch["image"].astype(np.float32) / 255.0 - mean) / std
-    return {"image": image.astype(np.float32), "label": batch["label"].astype(np.int32),
+    image = (batch["image"].astype(np.float32) * np.float32(1 / 255) - mean) / std
+    return {"image": image, "label": batch["label"].astype(np.int32),
             "mask": batch["mask"].astype(bool)}
 
 
@@ -262,18 +277,8 @@ def mixup(batch: Example, rng: np.random.Generator, *, alpha: float,
     """lam ~ Beta(alpha, alpha); image and one-hot label mixed with the reversed batch."""
     lam = np.float32(rng.beta(alpha, alpha))
     onehot = np.eye(num_classes, dtype=np.float32)[batch["label"]]
-    image = lam * batch["image"] + (1 - lam) * batch["image"][::-1]
-    soft = lam * onehot + (1 - lam) * onehot[::-1]
-    return {**batch, "image": image.astype(np.float32), "label_soft": soft}
-
-
-def with_mask(example: Example, *, real: bool = True) -> Example:
-    return {"image": example["image"], "label": example["label"], "mask": np.bool_(real)}
-
-
-def mask_beyond(index: int, example: Example, *, num_real: int) -> Example:
-    """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
-    return with_mask(example, real=index < num_real)
+    return {**batch, "image": lam * batch["image"] + (1 - lam) * batch["image"][::-1],
+            "label_soft": lam * onehot + (1 - lam) * onehot[::-1]}
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -320,6 +325,8 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
 
     train=True: infinite, reshuffled each epoch, augmented, full batches of ``batch_size``.
     train=False: one pass, no augmentation, last batch padded with mask=False.
+    Stages: source -> shard -> (shuffle, repeat) -> per-example view (box, flip, mask)
+    -> [resample] -> batch -> [resample] -> normalise -> [mixup] -> worker processes.
     """
     _check_call(cfg, split, batch_size, seed, shard_index, shard_count)
     source, selected = open_split(cfg, cfg.train_split if split == "train" else cfg.test_split)
@@ -329,38 +336,31 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
         raise ValueError(f"data.mean={tuple(cfg.mean)!r}, data.std={tuple(cfg.std)!r}: give 1 "
                          f"or {channels} values ({cfg.name} images have {channels} channels)")
     if len(selected) < shard_count:
-        raise ValueError(f"split {split!r} selects {len(selected)} examples, fewer than "
-                         f"shard_count={shard_count}; widen data.{split}_split")
+        raise ValueError(f"data.{split}_split selects {len(selected)} examples, fewer than "
+                         f"shard_count={shard_count}; select more examples")
 
-    ds = grain.MapDataset.source(source)[selected.start:selected.stop][shard_index::shard_count]
-    ds = ds.seed(seed)
+    shard = slice(selected.start + shard_index, selected.stop, shard_count)
+    ds = grain.MapDataset.source(source)[shard].seed(seed)
     augment = train and (cfg.random_resized_crop or cfg.flip)
-    if train:
-        ds = ds.shuffle().repeat().map(with_mask)
-        num_batches = None
-    else:
-        num_real = len(ds)
+    num_batches = None
+    if augment:
+        ds = ds.shuffle().repeat().random_map(functools.partial(
+            train_view, crop=cfg.random_resized_crop, flip=cfg.flip,
+            scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio)))
+    elif train:
+        ds = ds.shuffle().repeat().map(full_view)
+    else:  # every shard pads to the same number of full batches
         num_batches = _ceil_div(_ceil_div(len(selected), shard_count), batch_size)
-        padded = num_batches * batch_size
+        padded, num_real = num_batches * batch_size, len(ds)
         ds = ds.repeat(_ceil_div(padded, num_real))[:padded].map_with_index(
-            functools.partial(mask_beyond, num_real=num_real))
+            functools.partial(eval_view, num_real=num_real))
 
-    fixed_size = height is not None
-    if augment or not (fixed_size and (height, width) == (size, size)):
-        if augment:
-            ds = ds.random_map(functools.partial(
-                add_train_view, crop=cfg.random_resized_crop, flip=cfg.flip,
-                scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio)))
-        else:
-            ds = ds.map(add_full_view)
-        if fixed_size:
-            ds = ds.batch(batch_size, drop_remainder=True).map(
-                functools.partial(resample_batch, size=size))
-        else:
-            ds = ds.map(functools.partial(resample_example, size=size)).batch(
-                batch_size, drop_remainder=True)
-    else:
-        ds = ds.batch(batch_size, drop_remainder=True)
+    same_size = (height, width) == (size, size)
+    if height is None:  # images differ in size: resize each before batching
+        ds = ds.map(functools.partial(resample_example, size=size))
+    ds = ds.batch(batch_size, drop_remainder=True)
+    if height is not None and (augment or not same_size):
+        ds = ds.map(functools.partial(resample_batch, size=size))
     ds = ds.map(functools.partial(finish_batch, mean=np.float32(cfg.mean),
                                   std=np.float32(cfg.std)))
     if train and cfg.mixup_alpha > 0:
