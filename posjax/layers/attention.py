@@ -24,6 +24,22 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 DEFAULT_INIT = nn.initializers.normal(stddev=0.02)
 
 
+class _FlatSafePartitioned(nn.LogicallyPartitioned):
+    """LogicallyPartitioned that skips its sharding constraint while the value's rank differs
+    from its names: DenseGeneral initialises a flattened (in, out) kernel (and bias), unboxes it under the
+    active mesh/rules, then reshapes and re-boxes it (Flax 0.12 would otherwise fail under
+    ``nn.logical_axis_rules`` + ``jax.set_mesh``, in init and in apply's shape check)."""
+
+    def unbox(self, apply_constraint: bool = True):
+        return super().unbox(apply_constraint and jnp.ndim(self.value) == len(self.names))
+
+
+def _partitioned_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
+    def wrapper(*args, **kwargs):
+        return _FlatSafePartitioned(init(*args, **kwargs), names)
+    return wrapper
+
+
 def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name: str,
           dtype: jnp.dtype, use_bias: bool = True, axis: int | tuple[int, ...] = -1,
           kernel_init: Callable = DEFAULT_INIT) -> nn.DenseGeneral:
@@ -31,9 +47,8 @@ def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name:
     features_t = (features,) if isinstance(features, int) else tuple(features)
     return nn.DenseGeneral(
         features=features_t, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-        kernel_init=nn.with_logical_partitioning(kernel_init, names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                               names[-len(features_t):]),
+        kernel_init=_partitioned_init(kernel_init, names),
+        bias_init=_partitioned_init(nn.initializers.zeros_init(), names[-len(features_t):]),
         name=name)
 
 

@@ -43,8 +43,7 @@ def abstract_state(task: Task, model: nn.Module, tx: optax.GradientTransformatio
                    mesh: Mesh, seed: int) -> tuple[TrainState, TrainState]:
     """(abstract state with shardings attached, the state's NamedShardings) — no compute."""
     batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(mesh_lib.batch_shards(mesh)).items()}
-    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-        boxed = jax.eval_shape(lambda: task.init_params(model, jax.random.PRNGKey(seed), batch))
+    boxed = jax.eval_shape(lambda: task.init_params(model, jax.random.PRNGKey(seed), batch))
     param_shardings = mesh_lib.logical_shardings(boxed, mesh)
     params = nn.unbox(boxed)
     opt_state = jax.eval_shape(tx.init, params)
@@ -71,7 +70,9 @@ def init_state(task: Task, model: nn.Module, tx: optax.GradientTransformation, m
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params))
 
-    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+    # No logical rules while tracing init: Flax's DenseGeneral would constrain its flattened
+    # kernel with the unflattened names; out_shardings place every array anyway.
+    with jax.set_mesh(mesh):
         return jax.jit(init, out_shardings=shardings)()
 
 
