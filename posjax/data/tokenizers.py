@@ -255,18 +255,23 @@ def train_tokenizer(files: Sequence[str], output: str | pathlib.Path, kind: str,
     files = [str(f) for f in files]
     if kind == "unigram":
         import sentencepiece as spm
-        spm.SentencePieceTrainer.train(
-            input=",".join(files), model_prefix=str(out / "spm"), vocab_size=vocab_size,
-            model_type="unigram", pad_id=0, pad_piece="[PAD]", bos_id=1, bos_piece="[CLS]",
-            eos_id=2, eos_piece="[SEP]", unk_id=3, unk_piece="[UNK]",
-            user_defined_symbols=["[MASK]"], character_coverage=0.9995,
-            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
-            minloglevel=2, num_threads=1)
+        try:
+            spm.SentencePieceTrainer.train(
+                input=",".join(files), model_prefix=str(out / "spm"), vocab_size=vocab_size,
+                model_type="unigram", pad_id=0, pad_piece="[PAD]", bos_id=1, bos_piece="[CLS]",
+                eos_id=2, eos_piece="[SEP]", unk_id=3, unk_piece="[UNK]",
+                user_defined_symbols=["[MASK]"], character_coverage=0.9995,
+                normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+                minloglevel=2, num_threads=1)
+        except RuntimeError as e:  # e.g. "Vocabulary size too high (N). Please set it to <= M"
+            raise ValueError(f"SentencePiece training failed for vocab_size={vocab_size}: "
+                             f"{str(e).split('] ')[-1]}") from e
         return out / "spm.model"
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     if kind == "wordpiece":
         tokenizer = wordpiece_tokenizer(None, lowercase)
         trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            show_progress=False,
                                             special_tokens=BERT_SPECIALS,
                                             continuing_subword_prefix="##")
         tokenizer.train(files, trainer)
@@ -279,6 +284,7 @@ def train_tokenizer(files: Sequence[str], output: str | pathlib.Path, kind: str,
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  show_progress=False,
                                   special_tokens=BERT_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train(files, trainer)

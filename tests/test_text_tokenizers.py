@@ -1,0 +1,121 @@
+"""Tokenizers: BERT vocab.txt parity with transformers, training CLI for each kind, special ids."""
+import pathlib
+
+import numpy as np
+import pytest
+
+from posjax.data import tokenizers as tk
+
+CORPUS = """The quick brown fox jumps over the lazy dog.
+A stitch in time saves nine; the early bird catches the worm.
+Colourless green ideas sleep furiously, said the linguist.
+
+Homarus gammarus, known as the European lobster, lives in the Atlantic Ocean.
+It may grow to a length of 60 cm and a mass of 6 kilograms.
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(CORPUS * 20, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_vocab(shared_data) -> pathlib.Path:
+    return shared_data / "bert-base-uncased-vocab" / "vocab.txt"
+
+
+def test_bert_vocab_matches_transformers(bert_vocab, shared_data):
+    transformers = pytest.importorskip("transformers")
+    ours = tk.load_tokenizer(bert_vocab)
+    assert ours.special == tk.SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103)
+    assert ours.vocab_size == 30522
+    reference = transformers.BertTokenizer(str(bert_vocab), do_lower_case=True)
+    lines = (shared_data / "wikitext-2" / "valid.txt").read_text(encoding="utf-8").splitlines()
+    texts = [t for t in lines if t.strip()][:150] + [
+        "Héllo WORLD, [MASK] it's naïve café — 3.5% (x)!", "[UNK] [CLS] a [SEP] b"]
+    for text, enc in zip(texts, ours.encode_batch(texts)):
+        expected = reference.encode(text, add_special_tokens=False)
+        assert enc.ids.tolist() == expected, text
+        pieces = reference.convert_ids_to_tokens(expected)
+        assert enc.word_starts.tolist() == [not p.startswith("##") for p in pieces], text
+
+
+@pytest.mark.parametrize("kind", tk.KINDS)
+def test_train_cli_then_load(kind, corpus, tmp_path, capsys):
+    out = tmp_path / kind
+    vocab_size = 80 if kind == "unigram" else 320     # SentencePiece caps it by the corpus
+    assert tk.main(["train", str(corpus), "--kind", kind, "--vocab_size", str(vocab_size),
+                    "--output", str(out), "--min_frequency", "1"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    tok = tk.load_tokenizer(out)                       # the folder is enough
+    if kind == "unigram":
+        assert tok.special == tk.SpecialIds(pad=0, unk=3, cls=1, sep=2, mask=4)
+    else:
+        assert tok.special == tk.SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
+    assert tok.vocab_size <= vocab_size
+    text = "the lazy fox lives in the ocean"
+    enc = tok.encode(text)
+    assert enc.ids.dtype == np.int32 and len(enc.ids) == len(enc.word_starts) > 0
+    assert not set(enc.ids.tolist()) & tok.special_ids
+    assert int(enc.word_starts.sum()) == len(text.split())      # one start per word
+    assert tok.decode(enc.ids).strip().lower() == text
+    assert tok.encode("the [MASK] fox").ids.tolist().count(tok.special.mask) == 1
+    # The CLI never overwrites an existing tokenizer.
+    assert tk.main(["train", str(corpus), "--kind", kind, "--vocab_size", "320",
+                    "--output", str(out)]) == 2
+    assert "never overwritten" in capsys.readouterr().err
+
+
+def test_missing_specials_are_appended(corpus, tmp_path):
+    """A GPT-2 style tokenizer.json (no [CLS]/[MASK]/...) and an spm.model without [MASK] get
+    the missing specials after their vocabulary (DeBERTa-v3 puts [MASK] at len(spm))."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import sentencepiece as spm
+
+    gpt = Tokenizer(models.BPE())
+    gpt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gpt.decoder = decoders.ByteLevel()
+    gpt.train([str(corpus)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    gpt.save(str(tmp_path / "tokenizer.json"))
+    tok = tk.load_tokenizer(tmp_path / "tokenizer.json")
+    base = gpt.get_vocab_size()
+    assert tok.special.as_tuple() == tuple(range(base, base + 5))
+    assert tok.vocab_size == base + 5
+    assert tok.encode("a [MASK] b").ids.tolist().count(tok.special.mask) == 1
+
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "plain"),
+                                   vocab_size=60, pad_id=0, pad_piece="[PAD]", bos_id=1,
+                                   bos_piece="[CLS]", eos_id=2, eos_piece="[SEP]", unk_id=3,
+                                   unk_piece="[UNK]", minloglevel=2, num_threads=1)
+    tok = tk.load_tokenizer(tmp_path / "plain.model")
+    assert tok.special == tk.SpecialIds(pad=0, unk=3, cls=1, sep=2, mask=60)
+    assert tok.vocab_size == 61 and tok.id_to_token(60) == "[MASK]"
+
+
+def test_bad_inputs(tmp_path, corpus, capsys):
+    with pytest.raises(ValueError, match="does not exist"):
+        tk.load_tokenizer(tmp_path / "nope.txt")
+    (tmp_path / "vocab.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="unknown suffix"):
+        tk.load_tokenizer(tmp_path / "vocab.bin")
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "vocab.txt").write_text("a\nb\n")
+    with pytest.raises(ValueError, match="no unknown token"):
+        tk.load_tokenizer(tmp_path / "v")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ValueError, match="holds none of"):
+        tk.load_tokenizer(tmp_path / "empty_dir")
+    with pytest.raises(ValueError, match="vocab_size=10 is too small"):
+        tk.train_tokenizer([corpus], tmp_path / "o", "bpe", 10)
+    with pytest.raises(ValueError, match="SentencePiece training failed.*<= "):
+        tk.train_tokenizer([corpus], tmp_path / "o2", "unigram", 5000)
+    with pytest.raises(ValueError, match="kind='sentencepiece'"):
+        tk.train_tokenizer([corpus], tmp_path / "o", "sentencepiece", 1000)
+    assert tk.main(["train", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
