@@ -1,0 +1,200 @@
+"""MLM input: document spans, packing that respects documents, 80/10/10 masking, resumption."""
+import json
+
+import grain
+import numpy as np
+import pytest
+
+from posjax.data import text
+from posjax.data.tokenizers import Encoded
+
+CLS, SEP, PAD, MASK, UNK = 2, 3, 0, 4, 1
+SPECIALS = (PAD, UNK, CLS, SEP, MASK)
+
+
+def fake_docs(lengths, seed=0):
+    """Documents with ids >= 10 and every third token starting a word."""
+    rng = np.random.default_rng(seed)
+    return [Encoded(rng.integers(10, 50, n).astype(np.int32), np.arange(n) % 3 == 0)
+            for n in lengths]
+
+
+def pack(docs, length):
+    spec = text.PackSpec(length, CLS, SEP, PAD)
+    return list(text.PackIterDataset(grain.MapDataset.source(docs).to_iter_dataset(), spec))
+
+
+def test_document_spans():
+    data = b"a b\nc\n  \n\nd e\n \nf"
+    spans = text.document_spans(data, "blank_line")
+    assert [data[s:e].split() for s, e in spans] == [[b"a", b"b", b"c"], [b"d", b"e"], [b"f"]]
+    spans = text.document_spans(data, "line")
+    assert [data[s:e].strip() for s, e in spans] == [b"a b", b"c", b"d e", b"f"]
+
+
+def test_packing_respects_documents():
+    length = 16
+    lengths = [5, 14, 3, 30, 0, 9, 2, 14, 15, 1]
+    docs = fake_docs(lengths)
+    seqs = pack(docs, length)
+    pieces = []
+    for i, s in enumerate(seqs):
+        n = int(s["length"])
+        ids = s["input_ids"]
+        assert 2 < n <= length and ids[0] == CLS and ids[n - 1] == SEP
+        assert (ids[n:] == PAD).all() and s["index"] == i
+        body = ids[1:n]
+        cuts = np.flatnonzero(body == SEP)
+        start = 0
+        for c in cuts:
+            pieces.append(body[start:c])
+            start = c + 1
+    # Every document of <= L-2 tokens is one piece; the 30-token one is cut into 14 + 14 + 2.
+    expected = []
+    for d in docs:
+        n = len(d.ids)
+        if n == 0:
+            continue
+        if n <= length - 2:
+            expected.append(d.ids)
+        else:
+            expected += [d.ids[i:i + length - 2] for i in range(0, n, length - 2)]
+    assert [p.tolist() for p in pieces] == [e.tolist() for e in expected]
+    # A document that does not fit in the space left starts a new sequence.
+    assert [int(s["length"]) for s in seqs][:3] == [1 + 6, 1 + 15, 1 + 4]
+
+
+def masking_spec(whole_word=False, m=8):
+    return text.MaskSpec(mask_rate=0.15, max_predictions=m, mask_id=MASK, special_ids=SPECIALS,
+                         vocab_size=60, whole_word=whole_word)
+
+
+def test_masking_statistics_and_determinism():
+    lengths = np.random.default_rng(1).integers(3, 46, 600)
+    seqs = pack(fake_docs(lengths, seed=1), 48)
+    spec = masking_spec(m=8)
+    counts = {"mask": 0, "random": 0, "keep": 0}
+    chosen_total = candidates_total = 0
+    for s in seqs:
+        out = text.seeded_mask(s, spec, (7,))
+        again = text.seeded_mask(s, spec, (7,))
+        assert all(np.array_equal(out[k], again[k]) for k in out)
+        k = int(out["masked_weights"].sum())
+        n_cand = int(((s["input_ids"] >= 10) & (np.arange(48) < s["length"])).sum())
+        assert k == min(8, max(1, round(0.15 * n_cand)))
+        pos = out["masked_positions"][:k]
+        assert (np.diff(pos) > 0).all() and (out["masked_positions"][k:] == 0).all()
+        assert np.array_equal(out["masked_ids"][:k], s["input_ids"][pos])
+        assert not np.isin(s["input_ids"][pos], SPECIALS).any()
+        unchanged = np.ones(48, bool)
+        unchanged[pos] = False
+        assert np.array_equal(out["input_ids"][unchanged], s["input_ids"][unchanged])
+        new = out["input_ids"][pos]
+        counts["mask"] += int((new == MASK).sum())
+        counts["keep"] += int((new == s["input_ids"][pos]).sum())
+        counts["random"] += int(((new != MASK) & (new != s["input_ids"][pos])).sum())
+        assert not np.isin(new[new != MASK], SPECIALS).any()
+        assert out["attention_mask"].sum() == s["length"]
+        chosen_total += k
+        candidates_total += n_cand
+    total = sum(counts.values())
+    assert abs(counts["mask"] / total - 0.8) < 0.03
+    # "keep" also holds random draws that hit the original id (1/55 of 10%).
+    assert abs(counts["random"] / total - 0.1 * 54 / 55) < 0.02
+    assert abs(chosen_total / candidates_total - 0.15) < 0.01
+    a = text.seeded_mask(seqs[0], spec, (7,))
+    b = text.seeded_mask(dict(seqs[0], index=np.int64(1)), spec, (7,))
+    assert not np.array_equal(a["masked_positions"], b["masked_positions"])
+
+
+def test_whole_word_masking_takes_whole_words():
+    seqs = pack(fake_docs([60] * 50, seed=2), 64)
+    spec = masking_spec(whole_word=True, m=12)
+    for s in seqs:
+        out = text.seeded_mask(s, spec, (0,))
+        k = int(out["masked_weights"].sum())
+        chosen = set(out["masked_positions"][:k].tolist())
+        cand = np.flatnonzero(np.arange(64) < s["length"])
+        cand = cand[s["input_ids"][cand] >= 10]
+        for word in text.word_groups(cand, s["word_starts"]):
+            hit = chosen & set(word.tolist())
+            assert not hit or hit == set(word.tolist())
+        assert 0 < k <= min(12, round(0.15 * len(cand)))
+
+
+@pytest.fixture(scope="module")
+def wikitext_cfg(shared_data):
+    cfg = text.default_mlm_data_config()
+    cfg.text_files = {"valid": str(shared_data / "wikitext-2" / "valid.txt")}
+    cfg.train_split, cfg.test_split = "valid[:300]", "valid[-60:]"
+    cfg.tokenizer = str(shared_data / "bert-base-uncased-vocab" / "vocab.txt")
+    cfg.unk_marker = "<unk>"
+    cfg.max_seq_length = 64
+    return cfg
+
+
+def test_wikitext_train_batches_and_resume(wikitext_cfg):
+    p = text.make_mlm_pipeline(wikitext_cfg, split="train", batch_size=4, seed=3, train=True,
+                               shard_index=1, shard_count=2)
+    batch = next(p.iterator)
+    assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+        "input_ids": ((4, 64), "int32"), "attention_mask": ((4, 64), "int32"),
+        "token_type_ids": ((4, 64), "int32"), "masked_positions": ((4, 12), "int32"),
+        "masked_ids": ((4, 12), "int32"), "masked_weights": ((4, 12), "float32"),
+        "mask": ((4,), "bool")}
+    tok = p.tokenizer
+    unk_pieces = [tok._backend.token_to_id(t) for t in ("<", "un", "##k", ">")]
+    states, batches = [], []
+    for _ in range(40):                       # past the first epoch of this shard (150 docs)
+        states.append(json.loads(json.dumps(p.iterator.get_state())))   # as a checkpoint would
+        batches.append(next(p.iterator))
+    seen_unk = False
+    for b in batches:
+        ids = b["input_ids"][b["attention_mask"] == 1]
+        seen_unk |= bool((b["masked_ids"] == tok.special.unk).any() or (ids == tok.special.unk).any())
+        windows = np.lib.stride_tricks.sliding_window_view(b["input_ids"], 4, axis=1)
+        assert not (windows == unk_pieces).all(-1).any()
+    assert seen_unk
+    assert any(s["offset"] > 0 for s in states)           # some state sits inside a document
+    for i in (5, 17, 33):
+        fresh = text.make_mlm_pipeline(wikitext_cfg, split="train", batch_size=4, seed=3,
+                                       train=True, shard_index=1, shard_count=2)
+        fresh.iterator.set_state(states[i])
+        for j in range(i, min(i + 4, 40)):
+            b = next(fresh.iterator)
+            assert all(np.array_equal(b[k], batches[j][k]) for k in b), (i, j)
+
+
+def test_wikitext_eval_shards_cover_the_split(wikitext_cfg):
+    one = text.make_mlm_pipeline(wikitext_cfg, split="test", batch_size=4, seed=0, train=False)
+    full = [b for b in one.iterator]
+    real = np.concatenate([b["input_ids"][b["mask"]] for b in full])
+    assert len(real) == one.num_examples
+    shards = [text.make_mlm_pipeline(wikitext_cfg, split="test", batch_size=4, seed=0,
+                                     train=False, shard_index=i, shard_count=3) for i in range(3)]
+    got = [list(s.iterator) for s in shards]
+    assert len({len(g) for g in got}) == 1 and len(got[0]) == shards[0].num_batches
+    rows = np.concatenate([b["input_ids"][b["mask"]] for g in got for b in g])
+    assert sorted(map(bytes, rows)) == sorted(map(bytes, real))   # same sequences, same masks
+
+
+def test_bad_config(wikitext_cfg, tmp_path):
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.mask_rate, cfg.source, cfg.train_split = 1.5, "hdfs", "nosuch"
+    with pytest.raises(ValueError) as e:
+        text.validate_mlm_data_config(cfg)
+    for field in ("data.mask_rate=1.5", "data.source='hdfs'"):
+        assert field in str(e.value)
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.train_split = "nosuch"
+    with pytest.raises(ValueError, match="split 'nosuch' is not a key of data.text_files"):
+        text.validate_mlm_data_config(cfg)
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.text_files = {"valid": str(tmp_path / "missing*.txt")}
+    with pytest.raises(ValueError, match="matches no file"):
+        text.make_mlm_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ok\n".encode("latin-1"))
+    source = text.TextFileSource([str(bad)])
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        source[0]
