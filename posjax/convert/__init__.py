@@ -1,0 +1,103 @@
+"""Published weights in and out of posjax.
+
+    from posjax.convert import load_pretrained, export_hf, save_checkpoint
+
+    pre = load_pretrained("deberta-v3-base/")        # HF folder, vit_jax .npz or posjax folder
+    logits = pre.module().apply({"params": pre.params}, input_ids, attention_mask)
+    save_checkpoint(pre, "ckpt/deberta-v3-base")     # orbax params + model_config.json
+    export_hf(pre, "hf_out/")                        # config.json + model.safetensors
+
+Sources:
+- Hugging Face folders (config.json + model.safetensors / pytorch_model.bin, sharded or not):
+  DeBERTa v1 (``deberta``), DeBERTa-v2/v3 (``deberta-v2``), ViT (``vit``); any *Model,
+  *ForMaskedLM (official ``lm_predictions`` or legacy ``cls.predictions`` head; EMD enabled when
+  the file carries the absolute position table) or *ForSequenceClassification /
+  ViTForImageClassification.
+- Official vit_jax ``.npz`` files (ViT-B/16 … H/14, R50+ViT-B/16; with or without pre_logits;
+  the ``opt/target/`` variant).
+- Folders written by ``save_checkpoint`` (model_config.json + params/).
+
+The CLI ``python -m posjax.convert --from SRC --to DEST`` wraps these calls.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from posjax.convert import hf_deberta, hf_vit, vit_npz
+from posjax.convert.checkpoint import MODEL_CONFIG, load_checkpoint, save_checkpoint
+from posjax.convert.destination import write_directory
+from posjax.convert.hf_common import read_config_json
+from posjax.convert.mapping import check_tree
+from posjax.convert.pretrained import (Pretrained, build_module, expected_params,
+                                       resize_vit)
+from posjax.convert.tensors import read_folder_weights, read_npz, write_safetensors
+
+__all__ = ["Pretrained", "build_module", "expected_params", "export_hf", "load_checkpoint",
+           "load_pretrained", "resize_vit", "save_checkpoint"]
+
+HF_MODEL_TYPES = tuple(hf_deberta.MODEL_TYPES) + ("vit",)
+TASKS = (None, "mlm", "classification", "encoder")
+
+
+def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
+                    image_size: int | tuple[int, int] | None = None,
+                    resample: str | None = None) -> Pretrained:
+    """Checkpoint folder or file -> Pretrained(config, params, kind, task).
+
+    task: None keeps the checkpoint's head; 'encoder' drops it; 'mlm'/'classification' demand
+    it. image_size (ViT): resample the position table to this resolution with ``resample``
+    ('bilinear', the vit_jax choice and default for .npz/posjax; 'bicubic', the HF/timm choice
+    and default for HF folders). Any problem raises one ValueError naming the file and tensor.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
+    path = pathlib.Path(path).expanduser()
+    if path.is_file() and path.suffix == ".npz":
+        pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"
+    elif path.is_dir() and (path / MODEL_CONFIG).is_file():
+        pre, default_method = load_checkpoint(path), "bilinear"
+        if task not in (None, pre.task):
+            raise ValueError(f"{path}: holds a {pre.task!r} model; task={task!r} cannot be "
+                             "derived from a posjax checkpoint")
+    elif path.is_dir():
+        pre, default_method = _load_hf(path, task), "bicubic"
+    else:
+        raise ValueError(f"{path}: not found or not a checkpoint: pass a Hugging Face folder, "
+                         "a posjax checkpoint folder or an official vit_jax .npz file")
+    if image_size is not None:
+        pre = resize_vit(pre, image_size, resample or default_method)
+    return pre
+
+
+def _load_hf(folder: pathlib.Path, task: str | None) -> Pretrained:
+    config = read_config_json(folder)
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"{folder / 'config.json'}: model_type={model_type!r} is not supported: "
+                         f"posjax imports {', '.join(HF_MODEL_TYPES)}")
+    tensors, source = read_folder_weights(folder)
+    if model_type == "vit":
+        return hf_vit.import_vit(config, tensors, str(source), task)
+    return hf_deberta.import_deberta(config, tensors, str(source), task)
+
+
+def export_hf(pre: Pretrained, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write a Hugging Face folder (config.json + model.safetensors) that transformers loads
+    with the matching Auto/architecture class and that reproduces ``pre``'s outputs (HF has no
+    EMD: its MLM logits are those of ``use_emd=False``). All-or-nothing; never overwrites."""
+    check_tree(pre.params, expected_params(pre.kind, pre.task, pre.config, pre.num_labels),
+               "export_hf")
+    if pre.kind == "vit":
+        config, tensors = hf_vit.export_vit(pre)
+    elif pre.config.position_scheme in hf_deberta.MODEL_TYPES.values():
+        config, tensors = hf_deberta.export_deberta(pre)
+    else:
+        raise ValueError(f"position_scheme={pre.config.position_scheme!r} has no Hugging Face "
+                         "model: export supports deberta, deberta_v2 and vit")
+
+    def fill(staging: pathlib.Path) -> None:
+        write_safetensors(tensors, staging / "model.safetensors")
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return write_directory(out_dir, fill)

@@ -1,0 +1,27 @@
+"""Write an output folder all-or-nothing: fill a hidden sibling, then rename it into place."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import tempfile
+from typing import Callable
+
+
+def write_directory(dest: str | pathlib.Path, fill: Callable[[pathlib.Path], None]) -> pathlib.Path:
+    """Create ``dest`` with the files ``fill(staging_dir)`` writes; on any error nothing is left.
+
+    ``dest`` must not exist yet (an existing folder is never overwritten or merged into).
+    """
+    dest = pathlib.Path(dest).expanduser().resolve()
+    if dest.exists():
+        raise ValueError(f"destination {dest} already exists: choose a new folder or remove it "
+                         "first (posjax never overwrites checkpoints)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        fill(staging)
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest

@@ -1,0 +1,59 @@
+"""Shared pieces of the Hugging Face readers/writers: config.json access and activation names."""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Mapping
+
+# HF ACT2FN name -> posjax activation ("gelu" is exact erf GELU in both).
+ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+               "relu": "relu", "tanh": "tanh", "linear": "identity"}
+ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "tanh": "tanh",
+             "identity": "linear"}
+
+
+def read_config_json(folder: pathlib.Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json: pass a Hugging Face checkpoint folder "
+                         "(config.json + model.safetensors or pytorch_model.bin) or a .npz file")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+class HFConfig:
+    """config.json values with the HF class defaults for keys the file omits."""
+
+    def __init__(self, values: Mapping[str, Any], defaults: Mapping[str, Any], source: str):
+        self.values, self.defaults, self.source = dict(values), defaults, source
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.values.get(key, self.defaults.get(key))
+        return self.defaults.get(key) if value is None and key in self.defaults else value
+
+    def fail(self, key: str, allowed: str) -> ValueError:
+        return ValueError(f"{self.source}: {key}={self[key]!r} is not supported: {allowed}")
+
+    def activation(self, key: str) -> str:
+        name = self[key]
+        if name not in ACT_FROM_HF:
+            raise self.fail(key, f"choose one of {', '.join(ACT_FROM_HF)}")
+        return ACT_FROM_HF[name]
+
+
+def activation_to_hf(name: str, field: str) -> str:
+    if name not in ACT_TO_HF:
+        raise ValueError(f"{field}={name!r} has no Hugging Face equivalent: use one of "
+                         f"{', '.join(ACT_TO_HF)}")
+    return ACT_TO_HF[name]
+
+
+def labels_config(num_labels: int) -> dict[str, Any]:
+    """HF reads num_labels from id2label."""
+    return {"id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+            "label2id": {f"LABEL_{i}": i for i in range(num_labels)}}

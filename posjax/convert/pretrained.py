@@ -1,0 +1,101 @@
+"""What an import yields: a model config, plain float32 params and the module they belong to."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.layers.positions import resample_position_table
+from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.text import TextEncoder, TextForMaskedLM, TextForSequenceClassification
+from posjax.models.vit import ViT
+
+KINDS = ("text", "vit")
+TASKS = ("mlm", "classification", "encoder")
+
+
+def build_module(kind: str, task: str, config: TextConfig | ViTConfig,
+                 num_labels: int = 0) -> nn.Module:
+    """The Flax module for (kind, task): text mlm -> TextForMaskedLM, classification ->
+    TextForSequenceClassification(num_labels), encoder -> TextEncoder; vit -> ViT (its head, if
+    any, is part of the config)."""
+    if kind == "vit":
+        if not isinstance(config, ViTConfig):
+            raise ValueError(f"kind='vit' needs a ViTConfig, got {type(config).__name__}")
+        return ViT(config)
+    if kind != "text":
+        raise ValueError(f"kind={kind!r} is not valid: choose one of {', '.join(KINDS)}")
+    if not isinstance(config, TextConfig):
+        raise ValueError(f"kind='text' needs a TextConfig, got {type(config).__name__}")
+    if task == "mlm":
+        return TextForMaskedLM(config)
+    if task == "classification":
+        if num_labels < 1:
+            raise ValueError(f"num_labels={num_labels} is not valid for task='classification': "
+                             "must be >= 1 (1 = regression)")
+        return TextForSequenceClassification(config, num_labels)
+    if task == "encoder":
+        return TextEncoder(config)
+    raise ValueError(f"task={task!r} is not valid: choose one of {', '.join(TASKS)}")
+
+
+def expected_params(kind: str, task: str, config: TextConfig | ViTConfig,
+                    num_labels: int = 0) -> dict[str, Any]:
+    """Shapes (ShapeDtypeStruct tree) of ``nn.meta.unbox(module.init(...)['params'])``; nothing
+    is allocated or compiled."""
+    module = build_module(kind, task, config, num_labels)
+    if kind == "vit":
+        h, w = config.image_size
+        args = (jnp.zeros((1, h, w, config.num_channels), jnp.float32),)
+    else:
+        ids = jnp.zeros((1, 2), jnp.int32)
+        args = (ids, jnp.ones_like(ids))
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *args))
+    return nn.meta.unbox(shapes["params"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """An imported model: ``module().apply({'params': params}, ...)`` runs it.
+
+    kind: 'text' | 'vit'; task: 'mlm' | 'classification' | 'encoder' (for ViT: 'classification'
+    when the config has a head, else 'encoder'). params: nested dict of np.float32 arrays with
+    exactly the structure of ``nn.meta.unbox(module().init(...)['params'])``.
+    """
+
+    config: TextConfig | ViTConfig
+    params: dict[str, Any]
+    kind: str
+    task: str
+
+    @property
+    def num_labels(self) -> int:
+        """Classifier outputs (text classification; 0 otherwise)."""
+        if self.kind == "text" and self.task == "classification":
+            return int(np.shape(self.params["classifier"]["bias"])[0])
+        return 0
+
+    def module(self) -> nn.Module:
+        return build_module(self.kind, self.task, self.config, self.num_labels)
+
+
+def resize_vit(pre: Pretrained, image_size: int | tuple[int, int],
+               method: str = "bilinear") -> Pretrained:
+    """The same ViT at another resolution: the learned position table's grid rows are resampled
+    to the new patch grid (``resample_position_table``; [CLS] row kept)."""
+    if pre.kind != "vit":
+        raise ValueError(f"image_size applies to ViT checkpoints only, this one is {pre.kind!r}")
+    cfg = dataclasses.replace(pre.config, image_size=image_size)
+    if cfg.image_size == pre.config.image_size:
+        return pre
+    table = pre.params.get("pos_embedding")
+    if table is None:   # relative schemes carry no absolute table
+        return Pretrained(cfg, pre.params, pre.kind, pre.task)
+    prefix = 1 if cfg.pooling == "token" else 0
+    new = np.asarray(resample_position_table(table, pre.config.grid_size, cfg.grid_size,
+                                             prefix, method), np.float32)
+    return Pretrained(cfg, {**pre.params, "pos_embedding": new}, pre.kind, pre.task)
