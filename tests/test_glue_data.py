@@ -1,0 +1,209 @@
+"""GLUE readers (all nine layouts, real SST-2/CoLA/MRPC), bad rows, metrics, submission files."""
+import pathlib
+
+import numpy as np
+import pytest
+
+from posjax.data import glue
+
+# Minimal files in the GLUE download layout (header rows exactly as distributed).
+LAYOUT = {
+    "CoLA/train.tsv": "gj04\t1\t\tGood sentence .\ngj04\t0\t*\tSentence bad .\n",
+    "CoLA/test.tsv": "index\tsentence\n0\tA test .\n1\tAnother test .\n",
+    "SST-2/train.tsv": "sentence\tlabel\ngreat film \t1\nawful \t0\n",
+    "MRPC/train.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                      "1\t1\t2\tHe said \" yes .\tHe agreed .\n0\t3\t4\tA .\tB .\n",
+    "QQP/train.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+                     "7\t1\t2\tWhy ?\tHow ?\t0\n9\t3\t4\tWhat ?\tWhat ?\t1\n",
+    "QQP/test.tsv": "id\tquestion1\tquestion2\n5\tWhy ?\tHow ?\n",
+    "STS-B/train.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1"
+                       "\tsentence2\tscore\n0\tmain\tf\t2012\t1\tnone\tnone\tA man .\tA person ."
+                       "\t4.250\n1\tmain\tf\t2012\t2\tnone\tnone\tCat .\tDog .\t0.000\n",
+    "MNLI/train.tsv": "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\t"
+                      "sentence2_binary_parse\tsentence1_parse\tsentence2_parse\tsentence1\t"
+                      "sentence2\tlabel1\tgold_label\n"
+                      "0\t1\t1n\tgov\t(\t(\t(\t(\tP one .\tH one .\tneutral\tneutral\n"
+                      "1\t2\t2c\tgov\t(\t(\t(\t(\tP two .\tH two .\tcontradiction\tcontradiction\n",
+    "MNLI/dev_mismatched.tsv": "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\t"
+                               "sentence2_binary_parse\tsentence1_parse\tsentence2_parse\t"
+                               "sentence1\tsentence2\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\t"
+                               "gold_label\n0\t1\t1e\tx\t(\t(\t(\t(\tP .\tH .\tentailment\t"
+                               "entailment\tneutral\tentailment\tentailment\tentailment\n",
+    "diagnostic/diagnostic.tsv": "index\tsentence1\tsentence2\n0\tP .\tH .\n1\tQ .\tR .\n",
+    "QNLI/train.tsv": "index\tquestion\tsentence\tlabel\n0\tWho ?\tHim .\tentailment\n"
+                      "1\tWhere ?\tThere .\tnot_entailment\n",
+    "RTE/train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tA .\tB .\tnot_entailment\n",
+    "WNLI/train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tA .\tB .\t1\n",
+}
+EXPECTED = {  # task, split -> [(text, label, idx)]
+    ("cola", "train"): [(("Good sentence .",), 1, 0), (("Sentence bad .",), 0, 1)],
+    ("cola", "test"): [(("A test .",), None, 0), (("Another test .",), None, 1)],
+    ("sst2", "train"): [(("great film",), 1, 0), (("awful",), 0, 1)],
+    ("mrpc", "train"): [(('He said " yes .', "He agreed ."), 1, 0), (("A .", "B ."), 0, 1)],
+    ("qqp", "train"): [(("Why ?", "How ?"), 0, 7), (("What ?", "What ?"), 1, 9)],
+    ("qqp", "test"): [(("Why ?", "How ?"), None, 5)],
+    ("stsb", "train"): [(("A man .", "A person ."), 4.25, 0), (("Cat .", "Dog ."), 0.0, 1)],
+    ("mnli", "train"): [(("P one .", "H one ."), 1, 0), (("P two .", "H two ."), 2, 1)],
+    ("mnli", "validation_mismatched"): [(("P .", "H ."), 0, 0)],
+    ("mnli", "diagnostic"): [(("P .", "H ."), None, 0), (("Q .", "R ."), None, 1)],
+    ("qnli", "train"): [(("Who ?", "Him ."), 0, 0), (("Where ?", "There ."), 1, 1)],
+    ("rte", "train"): [(("A .", "B ."), 1, 0)],
+    ("wnli", "train"): [(("A .", "B ."), 1, 0)],
+}
+
+
+@pytest.fixture()
+def glue_dir(tmp_path) -> pathlib.Path:
+    for name, content in LAYOUT.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content, encoding="utf-8")
+    return tmp_path
+
+
+def cfg_for(task, glue_dir, tokenizer="", **kw):
+    cfg = glue.default_glue_data_config(task)
+    cfg.glue_dir, cfg.tokenizer = str(glue_dir), str(tokenizer)
+    cfg.update(kw)
+    return cfg
+
+
+@pytest.mark.parametrize("task,split", sorted(EXPECTED))
+def test_all_layouts(task, split, glue_dir):
+    examples, report = glue.read_split(cfg_for(task, glue_dir), split)
+    assert [(e["text"], e["label"], e["idx"]) for e in examples] == EXPECTED[task, split]
+    assert not report.bad_rows
+
+
+def test_real_glue_files(shared_data):
+    root = shared_data / "glue"
+    counts = {("sst2", "validation"): 872, ("sst2", "test"): 1821, ("cola", "train"): 8551,
+              ("cola", "validation"): 1043, ("cola", "test"): 1063, ("mrpc", "validation"): 408,
+              ("mrpc", "train"): 3668}
+    for (task, split), n in counts.items():
+        examples, report = glue.read_split(cfg_for(task, root), split)
+        assert len(examples) == n and not report.bad_rows and report.empty_lines == 0
+    dev, _ = glue.read_split(cfg_for("cola", root), "validation")
+    assert dev[-1]["text"][0].endswith(".")                  # no final newline: last row kept
+    assert np.mean([e["label"] for e in dev]) == pytest.approx(721 / 1043)
+    mrpc, _ = glue.read_split(cfg_for("mrpc", root), "validation")
+    assert mrpc[0]["label"] == 1 and mrpc[0]["text"][1].startswith('" The foodservice')
+    assert np.mean([e["label"] for e in mrpc]) == pytest.approx(279 / 408)
+    sliced, _ = glue.read_split(cfg_for("sst2", root), "validation[:10%]")
+    assert len(sliced) == 87
+
+
+def test_pipeline_truncates_and_pads(shared_data):
+    root = shared_data / "glue"
+    vocab = shared_data / "bert-base-uncased-vocab" / "vocab.txt"
+    cfg = cfg_for("mrpc", root, vocab, max_seq_length=24)
+    p = glue.make_glue_pipeline(cfg, split="test", batch_size=64, seed=0, train=False,
+                                shard_index=1, shard_count=3)
+    batches = list(p.iterator)
+    assert p.report.truncated > 300 and "examples truncated" in p.report.summary()
+    assert len(batches) == p.num_batches == 3 and p.num_examples == 408
+    assert sum(int(b["mask"].sum()) for b in batches) == 136
+    b = batches[0]
+    assert b["input_ids"].shape == (64, 24) and b["label"].dtype == np.int32
+    for ids, types, att in zip(b["input_ids"], b["token_type_ids"], b["attention_mask"]):
+        n = int(att.sum())
+        seps = np.flatnonzero(ids[:n] == 102)
+        assert ids[0] == 101 and len(seps) == 2 and seps[-1] == n - 1
+        assert (types[:seps[0] + 1] == 0).all() and (types[seps[0] + 1:n] == 1).all()
+    # longest-first: pieces differ in length by at most one when both were cut
+    assert glue.truncate_longest_first([1] * 9, [2] * 4, 8) == ([1] * 4, [2] * 4)
+    assert glue.truncate_longest_first([1] * 3, [2] * 9, 8) == ([1] * 3, [2] * 5)
+    stsb = glue.encode_examples([{"text": ("a", "b"), "label": 3.5, "idx": 0}],
+                                glue.load_tokenizer(vocab), 16, True, glue.ReadReport("x"))
+    assert stsb[0]["label"].dtype == np.float32 and stsb[0]["label"] == 3.5
+
+
+def test_bad_rows_are_counted_or_refused(glue_dir):
+    rows = "".join(f"fine sentence {i}\t{i % 2}\n" for i in range(300))
+    (glue_dir / "SST-2" / "train.tsv").write_text(
+        "sentence\tlabel\n" + rows + "\n\nthree\tcolumns\there\n" + rows, encoding="utf-8")
+    examples, report = glue.read_split(cfg_for("sst2", glue_dir), "train")
+    assert len(examples) == 600 and report.empty_lines == 2
+    assert report.bad_rows == [(304, "3 columns, expected 2")]
+    (glue_dir / "SST-2" / "train.tsv").write_text(
+        "sentence\tlabel\n" + rows[:rows.index("fine sentence 100")] + "x\tpositive\ny\t2\n",
+        encoding="utf-8")
+    with pytest.raises(ValueError, match=r"2 bad rows.*line 102: label 'positive'.*more than 1%"):
+        glue.read_split(cfg_for("sst2", glue_dir), "train")
+    (glue_dir / "STS-B" / "train.tsv").write_text(
+        LAYOUT["STS-B/train.tsv"] + "2\tm\tf\t2012\t3\tn\tn\tA\tB\tfive\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="could not convert string to float: 'five'"):
+        glue.read_split(cfg_for("stsb", glue_dir), "train")
+    (glue_dir / "QQP" / "test.tsv").write_text(
+        LAYOUT["QQP/test.tsv"] + "6\tonly one column\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="test split must keep every row"):
+        glue.read_split(cfg_for("qqp", glue_dir), "test")
+    (glue_dir / "RTE" / "train.tsv").write_text("a\tb\n1\t2\n")
+    with pytest.raises(ValueError, match=r"needs \['sentence1', 'sentence2', 'label'\]"):
+        glue.read_split(cfg_for("rte", glue_dir), "train")
+    with pytest.raises(ValueError, match="GLUE task 'squad' is unknown"):
+        glue.default_glue_data_config("squad")
+    cfg = cfg_for("sst2", glue_dir, tokenizer=glue_dir / "none.txt", test_split="dev",
+                  max_seq_length=4)
+    with pytest.raises(ValueError) as e:
+        glue.validate_glue_data_config(cfg)
+    for text in ("data.tokenizer=", "data.test_split='dev'", "data.max_seq_length=4"):
+        assert text in str(e.value)
+    with pytest.raises(ValueError, match="does not exist: set data.glue_dir"):
+        glue.read_split(cfg_for("sst2", glue_dir), "validation")
+
+
+def test_metrics_match_sklearn_and_scipy():
+    from scipy import stats
+    from sklearn import metrics
+
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        y, p = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+        assert glue.accuracy(p, y) == pytest.approx(metrics.accuracy_score(y, p))
+        assert glue.f1_score(p, y) == pytest.approx(metrics.f1_score(y, p))
+        assert glue.matthews_corrcoef(p, y) == pytest.approx(metrics.matthews_corrcoef(y, p))
+        a, b = rng.normal(size=100), rng.integers(0, 6, 100).astype(float)  # ties in b
+        assert glue.pearson(a, b) == pytest.approx(stats.pearsonr(a, b)[0])
+        assert glue.spearman(a, b) == pytest.approx(stats.spearmanr(a, b)[0])
+    assert glue.matthews_corrcoef(np.ones(5), np.ones(5)) == 0.0
+    out = glue.glue_metrics(glue.TASKS["mrpc"], np.array([1, 1, 0, 0]), np.array([1, 0, 0, 1]))
+    assert out == {"f1": 0.5, "accuracy": 0.5, "score": 0.5}
+    assert set(glue.glue_metrics(glue.TASKS["cola"], np.ones(3), np.ones(3))) == {"mcc", "score"}
+
+
+def test_submission_files(tmp_path):
+    mnli = glue.TASKS["mnli"]
+    path = glue.write_submission(mnli, "test_mismatched", np.array([2, 0, 1]),
+                                 np.array([2, 0, 1]), tmp_path)
+    assert path.name == "MNLI-mm.tsv"
+    assert path.read_text() == "index\tprediction\n0\tentailment\n1\tneutral\n2\tcontradiction\n"
+    path = glue.write_submission(glue.TASKS["stsb"], "test", np.array([1, 0]),
+                                 np.array([5.61, -0.2]), tmp_path)
+    assert path.read_text() == "index\tprediction\n0\t0.000\n1\t5.000\n"
+    path = glue.write_submission(glue.TASKS["cola"], "test", np.array([0, 1]), np.array([1, 0]),
+                                 tmp_path)
+    assert path.read_text() == "index\tprediction\n0\t1\n1\t0\n"
+    assert glue.write_submission(mnli, "diagnostic", np.array([0]), np.array([0]),
+                                 tmp_path).name == "AX.tsv"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["AX.tsv", "CoLA.tsv", "MNLI-mm.tsv",
+                                                          "STS-B.tsv"]
+    with pytest.raises(ValueError, match="duplicate example indices"):
+        glue.write_submission(mnli, "test_matched", np.array([0, 0]), np.array([0, 1]), tmp_path)
+
+
+def test_tfds_glue_source(shared_data):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    vocab = shared_data / "bert-base-uncased-vocab" / "vocab.txt"
+    with tfds.testing.mock_data(num_examples=10):
+        for task, split in (("mnli", "validation_mismatched"), ("stsb", "train"),
+                            ("qnli", "test"), ("mnli", "diagnostic")):
+            cfg = glue.default_glue_data_config(task)
+            cfg.tokenizer, cfg.test_split = str(vocab), split
+            p = glue.make_glue_pipeline(cfg, split="test", batch_size=4, seed=0, train=False)
+            batches = list(p.iterator)
+            assert p.num_examples == 10 and len(batches) == 3
+            label = np.concatenate([b["label"] for b in batches])
+            assert label.dtype == (np.float32 if task == "stsb" else np.int32)
+            assert p.labelled == (split not in ("test", "diagnostic"))
+            if task == "mnli" and p.labelled:
+                assert set(label.tolist()) <= {0, 1, 2}
