@@ -1,6 +1,7 @@
 """Write an output folder all-or-nothing: fill a hidden sibling, then rename it into place."""
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import tempfile
@@ -18,7 +19,10 @@ def write_directory(dest: str | pathlib.Path, fill: Callable[[pathlib.Path], Non
                          "first (posjax never overwrites checkpoints)")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        staging.chmod(0o777 & ~umask)   # mkdtemp makes it private; the result is an ordinary dir
         fill(staging)
         staging.rename(dest)
     except BaseException:

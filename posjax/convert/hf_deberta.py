@@ -209,7 +209,8 @@ def import_deberta(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndar
     names = set(tensors)
     prefix = "deberta." if any(n.startswith("deberta.") for n in names) else ""
     task = task or _detect_task(names, source)
-    legacy_mlm = not any(n.startswith(MLM_OFFICIAL) for n in names)
+    legacy_mlm = any(n.startswith(MLM_LEGACY) for n in names) and not any(
+        n.startswith(MLM_OFFICIAL) for n in names)
     ignored = {n for n in names if n.startswith(RTD_HEAD)}
     if ignored:
         log.warning("%s: dropping the replaced-token-detection head (%d tensors under %r): "

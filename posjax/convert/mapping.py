@@ -134,11 +134,11 @@ def import_tensors(links: Iterable[Link], tensors: Mapping[str, np.ndarray],
     flat: dict[Path, np.ndarray] = {}
     for link in links:
         arrays = [np.asarray(tensors[n]) for n in link.source]
-        shapes = {n: a.shape for n, a in zip(link.source, arrays)}
+        shapes = ", ".join(f"{n!r} of shape {a.shape}" for n, a in zip(link.source, arrays))
         try:
             outs = link.to_posjax(*arrays)
         except ValueError as e:
-            raise ValueError(f"{source}: tensor(s) {shapes} cannot be laid out as posjax "
+            raise ValueError(f"{source}: tensor {shapes} cannot be laid out as posjax "
                              f"{[_name(t) for t in link.target]}: {e}") from e
         for path, out in zip(link.target, outs):
             if path not in want:
@@ -146,7 +146,7 @@ def import_tensors(links: Iterable[Link], tensors: Mapping[str, np.ndarray],
                                  f"parameter {_name(path)}, which the configured model lacks")
             if tuple(out.shape) != tuple(want[path].shape):
                 raise ValueError(
-                    f"{source}: tensor(s) {shapes} give shape {tuple(out.shape)} for posjax "
+                    f"{source}: tensor {shapes} gives shape {tuple(out.shape)} for posjax "
                     f"parameter {_name(path)}, which needs {tuple(want[path].shape)}: the "
                     "tensor does not match config.json")
             flat[path] = np.ascontiguousarray(out, dtype=np.float32)

@@ -1,0 +1,79 @@
+"""``python -m posjax.convert``: HF folder / npz -> orbax checkpoint + model_config.json (the
+format ``config.init_from`` reads), posjax checkpoint -> HF folder, clear failures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from posjax.convert import load_pretrained  # noqa: E402
+from posjax.convert.__main__ import main  # noqa: E402
+from posjax.models.config import TextConfig, ViTConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_mlm(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, relative_attention=True, pos_att_type="p2c|c2p",
+        share_att_key=True, position_buckets=4, max_relative_positions=16,
+        norm_rel_ebd="layer_norm", position_biased_input=False, legacy=False)
+    folder = tmp_path_factory.mktemp("hf") / "mlm"
+    transformers.DebertaV2ForMaskedLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_hf_to_posjax_checkpoint_and_back(hf_mlm, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert main(["--from", str(hf_mlm), "--to", str(out)]) == 0
+    assert "task=mlm" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["model_config.json", "params"]
+    meta = json.loads((out / "model_config.json").read_text())
+    assert meta["kind"] == "text" and meta["task"] == "mlm"
+    pre = load_pretrained(hf_mlm)
+    assert TextConfig.from_dict(meta["config"]) == pre.config
+    # Exactly what config.init_from restores: StandardCheckpointer of {'params': params}.
+    restored = ocp.StandardCheckpointer().restore(out / "params")
+    jax.tree.map(np.testing.assert_array_equal, restored, {"params": pre.params})
+
+    hf_out = tmp_path / "hf_again"
+    assert main(["--from", str(out), "--to", str(hf_out), "--format", "hf"]) == 0
+    model = transformers.DebertaV2ForMaskedLM.from_pretrained(hf_out)
+    for name, p in transformers.DebertaV2ForMaskedLM.from_pretrained(hf_mlm).state_dict().items():
+        np.testing.assert_array_equal(model.state_dict()[name].numpy(), p.numpy(), err_msg=name)
+
+
+def test_failure_exits_nonzero_and_writes_nothing(hf_mlm, tmp_path, capsys):
+    dest = tmp_path / "never"
+    assert main(["--from", str(hf_mlm), "--to", str(dest), "--task", "classification"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "pooler.dense" in err
+    assert not dest.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_npz_with_new_resolution(tmp_path):
+    """The real entry point on an official-style npz, resampled to a new resolution."""
+    from test_convert_npz import official_arrays, random_params
+    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_heads=2, num_layers=1,
+                    mlp_dim=16, num_classes=3)
+    np.savez(tmp_path / "vit.npz", **official_arrays(random_params(cfg, 0)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "posjax.convert", "--from",
+                          str(tmp_path / "vit.npz"), "--to", str(tmp_path / "out"),
+                          "--image-size", "24"], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr
+    meta = json.loads((tmp_path / "out" / "model_config.json").read_text())
+    assert ViTConfig.from_dict(meta["config"]).image_size == (24, 24)
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "out" / "params")["params"]
+    assert restored["pos_embedding"].shape == (1, 1 + 36, 16)

@@ -1,0 +1,125 @@
+"""Official vit_jax .npz import: files written here in exactly the official naming load into the
+posjax ViT with the same values, so applying our model to the loaded params equals applying it
+to the params that were saved; the position table is resampled for a new resolution."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import scipy.ndimage
+
+from posjax.convert import load_pretrained
+from posjax.convert.mapping import flatten
+from posjax.models.config import ViTConfig
+from posjax.models.vit import ViT
+
+SMALL = dict(hidden_size=32, num_heads=4, num_layers=2, mlp_dim=48, hidden_act="gelu_tanh",
+             layer_norm_eps=1e-6)
+
+
+def random_params(cfg: ViTConfig, seed: int) -> dict:
+    """posjax ViT params with every leaf ~ N(0, 0.2) (no zero heads or unit scales)."""
+    h, w = cfg.image_size
+    shapes = jax.eval_shape(lambda: ViT(cfg).init(jax.random.PRNGKey(0),
+                                                  np.zeros((1, h, w, cfg.num_channels))))
+    leaves, treedef = jax.tree.flatten(nn.meta.unbox(shapes["params"]))
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(treedef, [rng.normal(0, 0.2, x.shape).astype(np.float32)
+                                        for x in leaves])
+
+
+def official_arrays(params: dict) -> dict[str, np.ndarray]:
+    """The same values under the official vision_transformer names (written out by hand)."""
+    block = {"attention_norm": "LayerNorm_0", "mlp_norm": "LayerNorm_2",
+             "attention": "MultiHeadDotProductAttention_1", "mlp": "MlpBlock_3"}
+    mlp = {"fc1": "Dense_0", "fc2": "Dense_1"}
+    out = {}
+    for path, value in flatten(params).items():
+        head, rest = path[0], list(path[1:])
+        if head == "pos_embedding":
+            name = "Transformer/posembed_input/pos_embedding"
+        elif head == "encoder_norm":
+            name = "Transformer/encoder_norm/" + rest[0]
+        elif head == "encoder":
+            layer, module, *leaf = rest
+            if module == "mlp":
+                leaf = [mlp[leaf[0]], leaf[1]]
+            name = "/".join([f"Transformer/encoderblock_{layer.split('_')[1]}", block[module],
+                             *leaf])
+        elif head == "resnet":
+            unit, *leaf = rest
+            if unit.startswith("block"):   # posjax block{s}_unit{u} -> official block{s}/unit{u}
+                unit = unit.replace("_", "/")
+            name = "/".join([unit, *leaf])
+        else:   # embedding, cls, pre_logits, head
+            name = "/".join(path)
+        out[name] = value
+    return out
+
+
+CASES = {
+    # ViT-B/16-like: [CLS] pooling, pre_logits (as the i21k checkpoints), classifier head.
+    "token_prelogits": (dict(image_size=32, patch_size=8, pooling="token", num_classes=7,
+                             representation_size=24), False),
+    # Global average pooling, no pre_logits, no [CLS]; saved with the optimizer (opt/target/).
+    "gap_opt_target": (dict(image_size=24, patch_size=4, pooling="gap", num_classes=3), True),
+    # R50+ViT hybrid: ResNet-v2 stem (2 units, then 1; width 32), 1x1 patches.
+    "r50_hybrid": (dict(image_size=16, patch_size=1, pooling="token", num_classes=4,
+                        resnet_layers=(2, 1), resnet_width=32), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_official_npz_round_trip(case, tmp_path):
+    kw, with_optimizer = CASES[case]
+    cfg = ViTConfig(**SMALL, **kw)
+    params = random_params(cfg, seed=len(case))
+    arrays = official_arrays(params)
+    if case == "r50_hybrid":
+        assert {"conv_root/kernel", "gn_root/scale", "block1/unit2/conv3/kernel",
+                "block2/unit1/gn_proj/bias"} <= set(arrays)
+    assert "Transformer/encoderblock_1/MultiHeadDotProductAttention_1/out/kernel" in arrays
+    if with_optimizer:
+        arrays = {**{"opt/target/" + k: v for k, v in arrays.items()},
+                  "opt/state/step": np.zeros((), np.float32),
+                  "opt/state/param_states/head/kernel/grad_ema": arrays["head/kernel"] * 0}
+    np.savez(tmp_path / "vit.npz", **arrays)
+
+    pre = load_pretrained(tmp_path / "vit.npz")
+    assert pre.kind == "vit" and pre.task == "classification"
+    assert pre.config == cfg
+    jax.tree.map(np.testing.assert_array_equal, pre.params, params)
+    images = np.random.default_rng(0).normal(size=(2, *cfg.image_size, 3)).astype(np.float32)
+    apply = jax.jit(ViT(cfg).apply)   # pre.config == cfg: one compilation serves both
+    ours = apply({"params": pre.params}, images)
+    saved = apply({"params": params}, images)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(saved))
+
+    encoder = load_pretrained(tmp_path / "vit.npz", task="encoder")
+    assert encoder.config.num_classes == 0 and "head" not in encoder.params
+
+
+def test_npz_resampled_to_new_resolution(tmp_path):
+    """Fine-tuning at a higher resolution: grid rows resized like vit_jax (scipy zoom order 1),
+    the [CLS] row kept, and the model runs at the new size."""
+    cfg = ViTConfig(**SMALL, image_size=32, patch_size=8, num_classes=5)
+    params = random_params(cfg, seed=1)
+    np.savez(tmp_path / "vit.npz", **official_arrays(params))
+    pre = load_pretrained(tmp_path / "vit.npz", image_size=56)
+    assert pre.config.image_size == (56, 56) and pre.config.grid_size == (7, 7)
+    old = params["pos_embedding"][0]
+    grid = old[1:].reshape(4, 4, -1)
+    want = scipy.ndimage.zoom(grid, (7 / 4, 7 / 4, 1), order=1)
+    new = pre.params["pos_embedding"][0]
+    np.testing.assert_array_equal(new[0], old[0])
+    np.testing.assert_allclose(new[1:].reshape(7, 7, -1), want, atol=1e-6)
+    out = jax.eval_shape(ViT(pre.config).apply, {"params": pre.params},
+                         np.zeros((1, 56, 56, 3), np.float32))
+    assert out.shape == (1, 5)
+
+
+def test_npz_not_a_vit(tmp_path):
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"other\.npz.*embedding/kernel"):
+        load_pretrained(tmp_path / "other.npz")
