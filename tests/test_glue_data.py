@@ -185,8 +185,10 @@ def test_submission_files(tmp_path):
     assert path.read_text() == "index\tprediction\n0\t1\n1\t0\n"
     assert glue.write_submission(mnli, "diagnostic", np.array([0]), np.array([0]),
                                  tmp_path).name == "AX.tsv"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["AX.tsv", "CoLA.tsv", "MNLI-mm.tsv",
-                                                          "STS-B.tsv"]
+    assert glue.write_submission(mnli, "validation_matched[:5]", np.array([0]), np.array([0]),
+                                 tmp_path).name == "MNLI.validation_matched.tsv"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "AX.tsv", "CoLA.tsv", "MNLI-mm.tsv", "MNLI.validation_matched.tsv", "STS-B.tsv"]
     with pytest.raises(ValueError, match="duplicate example indices"):
         glue.write_submission(mnli, "test_matched", np.array([0, 0]), np.array([0, 1]), tmp_path)
 

@@ -35,8 +35,8 @@ task's columns (wrong folder or task) raises at once.
 
 Metrics (``glue_metrics``): accuracy; F1 of the positive class (MRPC, QQP); Matthews
 correlation (CoLA); Pearson and Spearman correlation (STS-B). Submission files
-(``write_submission``): ``<Task>.tsv`` with header ``index<TAB>prediction``, rows in ``idx``
-order; predictions are the TSV label spelling (0/1, or entailment/... for MNLI, QNLI, RTE, AX),
+(``write_submission``): ``<Task>.tsv`` (test splits; ``<Task>.<split>.tsv`` for the others)
+with header ``index<TAB>prediction``, rows in ``idx`` order; predictions are the TSV label spelling (0/1, or entailment/... for MNLI, QNLI, RTE, AX),
 STS-B scores clipped to [0, 5] with 3 decimals.
 """
 from __future__ import annotations
@@ -143,15 +143,12 @@ def is_test_split(split: str) -> bool:
 
 
 def submission_name(task: GlueTask, split: str) -> str:
-    """The GLUE server's file name for a test split's predictions."""
+    """The GLUE server's file name for a test split's predictions (``SST-2.tsv``, ``MNLI-m.tsv``,
+    ``AX.tsv``); other splits get the split in the name (``SST-2.validation.tsv``)."""
     base, _, _ = sources.parse_split(split)
-    if base == "diagnostic":
-        return "AX.tsv"
-    if base == "test_matched":
-        return "MNLI-m.tsv"
-    if base == "test_mismatched":
-        return "MNLI-mm.tsv"
-    return f"{task.submission}.tsv"
+    official = {"diagnostic": "AX", "test_matched": "MNLI-m", "test_mismatched": "MNLI-mm",
+                "test": task.submission}
+    return f"{official[base]}.tsv" if base in official else f"{task.submission}.{base}.tsv"
 
 
 # ----------------------------------------------------------------------------- TSV reading

@@ -1,0 +1,14 @@
+"""GLUE fine-tuning of the tiny CPU models on the GLUE download layout (../shared/data/glue).
+
+    python train.py --config configs/glue_tiny.py:sst2 --workdir runs/sst2_tupe_r \
+        --config.init_from=runs/mlm_tupe_r_tiny_export      # encoder pretrained by mlm_*.py:tiny
+    python eval.py --workdir runs/sst2_tupe_r               # dev metrics + SST-2.validation.tsv
+
+The variant is ``task`` or ``task,scheme`` (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli;
+schemes bert_a, bert_r, tupe_a, tupe_r (default), deberta). See RESULTS.md.
+"""
+from posjax.training.text_recipes import glue_config
+
+
+def get_config(variant: str = "sst2"):
+    return glue_config(variant, "tiny")
