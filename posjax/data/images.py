@@ -55,6 +55,7 @@ import pathlib
 from typing import Any, Callable
 
 import grain
+from absl import flags
 import ml_collections
 import numpy as np
 
@@ -369,6 +370,8 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
 
     iter_ds = ds.to_iter_dataset()
     if cfg.worker_count > 0:
+        if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags when it spawns
+            flags.FLAGS.mark_as_parsed()  # workers; outside absl.app.run use their defaults
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
     return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),
                          num_classes=source.num_classes, image_shape=(size, size, channels),

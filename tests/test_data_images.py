@@ -1,0 +1,325 @@
+"""Image input: local sources, TFDS array_record round trip, preprocessing math, pipeline
+determinism, sharding, eval padding, iterator checkpointing and config errors."""
+import gzip
+import sys
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from PIL import Image
+
+from posjax.data import default_data_config, make_image_pipeline, validate_data_config
+from posjax.data import images, sources
+
+
+def take(pipe, n):
+    return [next(pipe.iterator) for _ in range(n)]
+
+
+def same_batches(a, b):
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b))
+
+
+def indexed_npz(root, sizes=(("train", 10), ("test", 10))):
+    """npz splits whose image i is filled with the value i (its identity), label i % 3."""
+    for split, n in sizes:
+        image = np.broadcast_to(np.arange(n, dtype=np.uint8)[:, None, None, None],
+                                (n, 4, 4, 1)).copy()
+        np.savez(root / f"{split}.npz", image=image, label=np.arange(n) % 3)
+    cfg = default_data_config("cifar10")
+    cfg.update(path=str(root), train_split="train", image_size=4, random_resized_crop=False,
+               flip=False, mean=(0.0,), std=(1.0,))
+    return cfg
+
+
+def ids(batch):
+    """The identities of an ``indexed_npz`` batch (image value), real examples only."""
+    values = np.rint(batch["image"][:, 0, 0, 0] * 255).astype(int)
+    return values[batch["mask"]].tolist()
+
+
+def digits_augmented():
+    cfg = default_data_config("digits")
+    cfg.update(random_resized_crop=True, flip=True, mixup_alpha=0.4, image_size=12)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_digits_split_is_stratified_and_fixed():
+    train, test = sources.digits_source("train"), sources.digits_source("test")
+    assert (len(train), len(test)) == (1438, 359)
+    assert train.image_shape == (8, 8, 1) and train.images.max() == 255
+    labels = sources._digits_arrays()[1]
+    test_idx = sources.digits_test_indices(labels)
+    np.testing.assert_array_equal(test_idx, sources.digits_test_indices(labels))
+    for c in range(10):  # each class contributes round(20%) of its members to test
+        assert (labels[test_idx] == c).sum() == round(0.2 * (labels == c).sum())
+
+
+def test_mnist_idx_reads_real_files(shared_data):
+    cfg = default_data_config("mnist")
+    cfg.update(path=str(shared_data / "mnist"), train_split="test[:8000]",
+               test_split="test[8000:]", mean=(0.0,), std=(1.0,))
+    validate_data_config(cfg)
+    pipe = make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=False)
+    assert (pipe.num_examples, pipe.num_classes, pipe.image_shape) == (8000, 10, (28, 28, 1))
+    first = next(pipe.iterator)
+    # The first MNIST test digits are 7, 2, 1, 0, 4, 1, 4, 9 (LeCun's t10k order).
+    assert first["label"].tolist() == [7, 2, 1, 0, 4, 1, 4, 9]
+    raw = sources.read_idx(shared_data / "mnist" / "t10k-images-idx3-ubyte.gz", 2051)
+    np.testing.assert_allclose(first["image"][..., 0] * 255, raw[:8], atol=1e-3)
+    test = make_image_pipeline(cfg, split="test", batch_size=512, seed=0, train=False)
+    assert test.num_examples == 2000 and test.num_batches == 4
+
+
+def test_mnist_bad_magic_is_reported(tmp_path):
+    path = tmp_path / "x-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as f:
+        f.write((2049).to_bytes(4, "big") + bytes(8))
+    with pytest.raises(ValueError, match="magic number is 2049, expected 2051"):
+        sources.read_idx(path, 2051)
+
+
+def test_cifar10_npz_reads_real_files(shared_data):
+    cfg = default_data_config("cifar10")
+    cfg.update(path=str(shared_data / "cifar10"))
+    validate_data_config(cfg)
+    pipe = make_image_pipeline(cfg, split="test", batch_size=16, seed=0, train=False)
+    assert (pipe.num_examples, pipe.num_classes, pipe.image_shape) == (10000, 10, (32, 32, 3))
+    assert pipe.num_batches == 625
+    with np.load(shared_data / "cifar10" / "test.npz") as npz:
+        raw, labels = npz["image"][:16], npz["label"][:16]
+    batch = next(pipe.iterator)
+    np.testing.assert_allclose((batch["image"] * 0.5 + 0.5) * 255, raw, atol=1e-3)
+    np.testing.assert_array_equal(batch["label"], labels)
+
+
+def test_image_folder_of_mixed_sizes(tmp_path):
+    colours = {"cat": (200, 10, 10), "dog": (10, 10, 200)}
+    for split, sizes in (("train", [(9, 7), (12, 12), (5, 20)]), ("test", [(8, 6)])):
+        for name, colour in colours.items():
+            (tmp_path / split / name).mkdir(parents=True)
+            for i, (h, w) in enumerate(sizes):
+                Image.new("RGB", (w, h), colour).save(tmp_path / split / name / f"{i}.png")
+    cfg = default_data_config("image_folder")
+    cfg.update(path=str(tmp_path), image_size=6, mean=(0.0,), std=(1.0,))
+    validate_data_config(cfg)
+    train = make_image_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)
+    assert (train.num_examples, train.num_classes, train.image_shape) == (6, 2, (6, 6, 3))
+    for batch in take(train, 3):  # solid colours stay solid under crop, flip and resize
+        assert batch["image"].shape == (4, 6, 6, 3)
+        for image, label in zip(batch["image"], batch["label"]):
+            want = np.float32(colours[["cat", "dog"][label]]) / 255
+            np.testing.assert_allclose(image, np.broadcast_to(want, image.shape), atol=1e-5)
+    test = make_image_pipeline(cfg, split="test", batch_size=4, seed=0, train=False)
+    (batch,) = list(test.iterator)
+    assert batch["label"].tolist()[:2] == [0, 1] and batch["mask"].tolist() == [1, 1, 0, 0]
+
+
+# ----------------------------------------------------------------------------- TFDS
+
+
+def test_tfds_array_record_round_trip_without_tensorflow(tmp_path):
+    from posjax.data import tfds_sources
+
+    rng = np.random.default_rng(0)
+    splits = {s: (rng.integers(0, 256, (n, 6, 5, 3), dtype=np.uint8), np.arange(n) % 4)
+              for s, n in (("train", 12), ("test", 5))}
+    tfds_sources.ImageArrays(splits=splits, num_classes=4, data_dir=str(tmp_path),
+                             file_format="array_record").download_and_prepare()
+    assert list((tmp_path / "image_arrays" / "1.0.0").glob("*.array_record-*"))
+    source = tfds_sources.tfds_source("image_arrays", "test", str(tmp_path))
+    assert (len(source), source.num_classes, source.image_shape) == (5, 4, (6, 5, 3))
+    for i in range(5):  # PNG is lossless and the builder keeps array order
+        np.testing.assert_array_equal(source[i]["image"], splits["test"][0][i])
+        assert source[i]["label"] == i % 4
+
+    cfg = default_data_config("tfds")
+    cfg.update(tfds_name="image_arrays", data_dir=str(tmp_path), train_split="train[:50%]",
+               image_size=4, mixup_alpha=0.2)
+    validate_data_config(cfg)
+    pipe = make_image_pipeline(cfg, split="train", batch_size=3, seed=1, train=True)
+    assert pipe.num_examples == 6 and pipe.image_shape == (4, 4, 3)
+    batch = next(pipe.iterator)
+    assert batch["image"].shape == (3, 4, 4, 3) and batch["label_soft"].shape == (3, 4)
+    assert "tensorflow" not in sys.modules
+
+    cfg.test_split = "validation"
+    with pytest.raises(ValueError, match=r"data.test_split='validation'.*offers \['test', 'tr"):
+        validate_data_config(cfg)
+    cfg.update(test_split="test", tfds_name="not_prepared_here")
+    with pytest.raises(ValueError, match="data.tfds_name='not_prepared_here'.*tfds build"):
+        validate_data_config(cfg)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def test_resample_identity_crop_flip_and_upsampling():
+    import jax
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (2, 8, 8, 3), dtype=np.uint8)
+    full = np.stack([images.full_box(8, 8)] * 2)
+    no, yes = np.zeros(2, bool), np.ones(2, bool)
+    np.testing.assert_allclose(images.resample(x, full, no, 8), x, atol=1e-4)
+    np.testing.assert_allclose(images.resample(x, full, yes, 8), x[:, :, ::-1], atol=1e-4)
+    box = np.array([[2, 3, 4, 4]] * 2, np.float32)  # an integer window at its own size
+    np.testing.assert_allclose(images.resample(x, box, no, 4), x[:, 2:6, 3:7], atol=1e-4)
+    want = jax.image.resize(x.astype(np.float32), (2, 20, 20, 3), "linear", antialias=False)
+    np.testing.assert_allclose(images.resample(x, full, no, 20), want, atol=1e-3)
+
+
+def test_random_resized_crop_boxes_respect_scale_and_ratio():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        y0, x0, h, w = images.sample_crop_box(rng, 30, 40, (0.2, 0.9), (0.5, 2.0))
+        assert 0 <= y0 and y0 + h <= 30 + 1e-4 and 0 <= x0 and x0 + w <= 40 + 1e-4
+        assert 0.2 - 1e-4 <= h * w / 1200 <= 0.9 + 1e-4 and 0.5 - 1e-4 <= w / h <= 2 + 1e-4
+    # No candidate can fit a 1x100 strip at ratio 1: the whole image is used.
+    np.testing.assert_array_equal(images.sample_crop_box(rng, 1, 100, (0.5, 1), (1, 1)),
+                                  [0, 0, 1, 100])
+
+
+def test_mixup_mixes_images_and_one_hot_labels_with_the_reversed_batch():
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(4, 2, 2, 1)).astype(np.float32),
+             "label": np.array([0, 1, 2, 1], np.int32), "mask": np.ones(4, bool)}
+    out = images.mixup(batch, np.random.default_rng(7), alpha=0.5, num_classes=3)
+    lam = np.random.default_rng(7).beta(0.5, 0.5)
+    np.testing.assert_allclose(out["image"], lam * batch["image"]
+                               + (1 - lam) * batch["image"][::-1], rtol=1e-5)
+    np.testing.assert_allclose(out["label_soft"][0], [lam, 1 - lam, 0], rtol=1e-5)
+    np.testing.assert_allclose(out["label_soft"].sum(1), 1, rtol=1e-6)
+    assert out["image"].dtype == out["label_soft"].dtype == np.float32
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def test_digits_batches_have_the_contract_layout():
+    cfg = default_data_config("digits")
+    pipe = make_image_pipeline(cfg, split="train", batch_size=32, seed=0, train=True)
+    assert (pipe.num_examples, pipe.num_classes, pipe.image_shape) == (1438, 10, (8, 8, 1))
+    batch = next(pipe.iterator)
+    assert {k: (v.dtype, v.shape) for k, v in batch.items()} == {
+        "image": (np.float32, (32, 8, 8, 1)), "label": (np.int32, (32,)),
+        "mask": (np.bool_, (32,))}
+    assert batch["image"].min() >= -1 and batch["image"].max() <= 1 and batch["mask"].all()
+    aug = make_image_pipeline(digits_augmented(), split="train", batch_size=32, seed=0,
+                              train=True)
+    batch = next(aug.iterator)
+    assert batch["image"].shape == (32, 12, 12, 1) and batch["label_soft"].shape == (32, 10)
+
+
+def test_train_order_is_seeded_and_reshuffled_each_epoch(tmp_path):
+    cfg = indexed_npz(tmp_path)
+    stream = [i for b in take(make_image_pipeline(cfg, split="train", batch_size=5, seed=0,
+                                                  train=True), 4) for i in ids(b)]
+    assert sorted(stream[:10]) == sorted(stream[10:]) == list(range(10))
+    assert stream[:10] != stream[10:]
+    again = [i for b in take(make_image_pipeline(cfg, split="train", batch_size=5, seed=0,
+                                                 train=True), 4) for i in ids(b)]
+    other = [i for b in take(make_image_pipeline(cfg, split="train", batch_size=5, seed=1,
+                                                 train=True), 4) for i in ids(b)]
+    assert again == stream and other != stream
+
+
+def test_augmented_batches_depend_only_on_the_seed():
+    cfg = digits_augmented()
+    make = lambda seed: make_image_pipeline(cfg, split="train", batch_size=16, seed=seed,
+                                            train=True)
+    first = take(make(5), 3)
+    assert same_batches(first, take(make(5), 3))
+    assert not same_batches(first, take(make(6), 3))
+
+
+def test_worker_processes_give_the_same_batches():
+    cfg = digits_augmented()
+    want = take(make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True), 4)
+    cfg.worker_count = 2
+    pipe = make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True)
+    try:
+        got = [{k: np.array(v) for k, v in b.items()} for b in take(pipe, 4)]
+    finally:
+        pipe.iterator.close()
+    assert same_batches(want, got)
+
+
+def test_eval_is_one_padded_pass_and_shards_are_disjoint(tmp_path):
+    cfg = indexed_npz(tmp_path, (("train", 10), ("test", 11)))
+    pipe = make_image_pipeline(cfg, split="test", batch_size=4, seed=0, train=False)
+    batches = list(pipe.iterator)
+    assert pipe.num_batches == len(batches) == 3
+    assert [i for b in batches for i in ids(b)] == list(range(11))
+    assert batches[-1]["mask"].tolist() == [True, True, True, False]
+
+    shards = [make_image_pipeline(cfg, split="test", batch_size=2, seed=0, train=False,
+                                  shard_index=s, shard_count=3) for s in range(3)]
+    seen = [[i for b in p.iterator for i in ids(b)] for p in shards]
+    assert {p.num_batches for p in shards} == {2}  # 11 -> 4, 4, 3 examples; 2 batches each
+    assert seen == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    train = [take(make_image_pipeline(cfg, split="train", batch_size=5, seed=0, train=True,
+                                      shard_index=s, shard_count=2), 1)[0] for s in range(2)]
+    assert sorted(ids(train[0])) == [0, 2, 4, 6, 8] and sorted(ids(train[1])) == [1, 3, 5, 7, 9]
+
+
+def test_iterator_checkpoint_restores_the_stream(tmp_path):
+    cfg = digits_augmented()
+    make = lambda: make_image_pipeline(cfg, split="train", batch_size=64, seed=3, train=True)
+    pipe = make()
+    take(pipe, 25)  # past the first epoch (1438 / 64 batches)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(25, args=ocp.args.Composite(
+            data_iter=grain.checkpoint.CheckpointSave(pipe.iterator)))
+        manager.wait_until_finished()
+    want = take(pipe, 3)
+    fresh = make()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.restore(25, args=ocp.args.Composite(
+            data_iter=grain.checkpoint.CheckpointRestore(fresh.iterator)))
+    assert same_batches(want, take(fresh, 3))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("digits", {"name": "svhn"}, "data.name='svhn': choose one of"),
+    ("mnist", {}, "data.path='': mnist needs the folder"),
+    ("mnist", {"path": "/no/such/folder"}, "data.path='/no/such/folder'"),
+    ("digits", {"image_size": 0}, "data.image_size=0: must be a positive integer"),
+    ("digits", {"crop_scale": (0.5, 0.2)}, "data.crop_scale=.*0 < min <= max <= 1"),
+    ("digits", {"std": (0.0,)}, r"data.std=\(0.0,\): every entry must be > 0"),
+    ("digits", {"mixup_alpha": -1.0}, "data.mixup_alpha=-1.0: must be >= 0"),
+    ("digits", {"train_split": "train[:x]"}, "data.train_split='train\\[:x\\]'"),
+    ("digits", {"test_split": "valid"}, r"data.test_split='valid': no such split.*'test'\]"),
+    ("tfds", {}, "data.tfds_name='': name the TFDS catalog dataset"),
+])
+def test_bad_config_is_one_clear_error(name, changes, message):
+    cfg = default_data_config(name)
+    cfg.update(changes)
+    with pytest.raises(ValueError, match=message):
+        validate_data_config(cfg)
+
+
+def test_bad_config_errors_name_the_split_files(shared_data, tmp_path):
+    cfg = default_data_config("mnist")
+    cfg.path = str(shared_data / "mnist")  # only t10k files: 'train' is not there
+    with pytest.raises(ValueError, match=r"data.train_split='train'.*offers \['test'\]"):
+        validate_data_config(cfg)
+    cfg = indexed_npz(tmp_path)
+    cfg.mean = (0.5, 0.5, 0.5)  # the npz images have one channel
+    with pytest.raises(ValueError, match="data.mean=.*1 channels"):
+        make_image_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
+    with pytest.raises(ValueError, match="shard_index=2, shard_count=2"):
+        make_image_pipeline(default_data_config("digits"), split="train", batch_size=2,
+                            seed=0, train=True, shard_index=2, shard_count=2)
+    del cfg["flip"]
+    with pytest.raises(ValueError, match=r"keys \['flip'\] are missing"):
+        validate_data_config(cfg)
