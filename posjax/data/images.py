@@ -45,6 +45,10 @@ RNG from (seed, position in the repeated stream), so batches depend only on the 
 Resampling convention: output pixel centre ``i + 1/2`` of S maps to source coordinate
 ``y0 + (i + 1/2) h / S - 1/2`` inside the box (y0, x0, h, w) (half-pixel centres, as in
 ``jax.image.resize``), bilinear, edges clamped, no antialiasing.
+
+Worker processes (``worker_count > 0``) are spawned, so the calling script needs an
+``if __name__ == '__main__':`` guard (absl.app.run scripts have one); call
+``pipe.iterator.close()`` to stop them when done.
 """
 from __future__ import annotations
 
@@ -52,12 +56,12 @@ import dataclasses
 import functools
 import math
 import pathlib
-from typing import Any, Callable
+from typing import Any
 
 import grain
-from absl import flags
 import ml_collections
 import numpy as np
+from absl import flags
 
 from posjax.data import sources
 
