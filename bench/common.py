@@ -1,0 +1,173 @@
+"""Shared benchmark machinery: result tables, timing, the measured matmul peak, run context.
+
+Every suite returns a list of ``Table``; ``bench.run`` renders them as Markdown (the format of
+BENCHMARKS.md) or JSON. Timings are wall-clock seconds of fully finished work
+(``block_until_ready`` for JAX; CUDA is synchronised for torch on GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Table:
+    """One result table: ``rows`` are lists aligned with ``columns``; ``notes`` follow it."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "",
+                 "| " + " | ".join(self.columns) + " |",
+                 "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines += ["| " + " | ".join(format_cell(v) for v in row) + " |" for row in self.rows]
+        if self.notes:
+            lines.append("")
+            lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def format_cell(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        if v != v:
+            return "—"
+        a = abs(v)
+        if a == 0 or 0.01 <= a < 1e5:
+            return f"{v:.3g}" if a < 100 else f"{v:.0f}"
+        return f"{v:.2e}"
+    return str(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How big a run is: ``cpu`` (the CPU tables), ``smoke`` (CI seconds), ``gpu`` (real sizes)."""
+
+    name: str
+    runs: int            # timed runs per measurement (medians over these)
+    budget_s: float      # wall-clock budget for the whole invocation (0: none)
+    dtype: str = "float32"   # compute dtype of the models (bf16 with --gpu)
+
+    @property
+    def smoke(self) -> bool:
+        return self.name == "smoke"
+
+    @property
+    def compiler_options(self) -> dict[str, Any] | None:
+        """Smoke runs only check that everything works: compile fast, unoptimised."""
+        if self.smoke:
+            return {"xla_backend_optimization_level": 0,
+                    "xla_llvm_disable_expensive_passes": True}
+        return None
+
+    @property
+    def gpu(self) -> bool:
+        return self.name == "gpu"
+
+
+class Budget:
+    """A wall-clock allowance shared by the suites; ``left()`` in seconds (inf when unlimited)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds if seconds > 0 else float("inf")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def block(x: Any) -> Any:
+    """Wait until every array in the pytree ``x`` is computed."""
+    return jax.block_until_ready(x)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds taken by ``fn()`` (which must block until its work is done)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if len(xs) else float("nan")
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over paired runs of num[i] / den[i] (pairs were measured back to back)."""
+    return median([a / b for a, b in zip(num, den)])
+
+
+def measure_peak_flops(n: int, reps: int = 5) -> dict[str, float]:
+    """Best fp32 FLOP/s of an (n × n) @ (n × n) matmul: jitted JAX and, if present, torch.
+
+    Returns {'jax': …, 'torch': …, 'peak': max}; 2n³ FLOPs per product. The best of ``reps``
+    is the least disturbed by other processes on a shared machine.
+    """
+    flops = 2.0 * n ** 3
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    block(mm(a, a))
+    out = {"jax": flops / min(timed(lambda: block(mm(a, a))) for _ in range(reps))}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and jax.default_backend() == "cpu":
+        ta = torch.randn(n, n)
+        ta @ ta
+        out["torch"] = flops / min(timed(lambda: ta @ ta) for _ in range(reps))
+    out["peak"] = max(out.values())
+    return out
+
+
+def load_average() -> str:
+    """'1-, 5-, 15-minute load average / cores' of this machine (other jobs slow the timings)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"{one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def environment() -> dict[str, str]:
+    """Versions and hardware the numbers belong to."""
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cores": str(os.cpu_count()),
+        "jax": jax.__version__,
+        "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+        "numpy": np.__version__,
+    }
+    for mod in ("flax", "optax", "torch", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,86 @@
+"""The benchmark entry point in smoke mode: every suite runs at tiny sizes and reports sane
+numbers; bad command lines fail before anything runs."""
+import json
+import math
+
+import pytest
+
+from bench import run as bench_run
+from bench.attention import max_abs_difference, settings
+from bench.common import Scale
+from bench.workloads import forward_flops, throughput_workloads
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+    assert bench_run.main(["--smoke", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _table(report, suite, title_start):
+    entry = next(e for e in report["suites"] if e["suite"] == suite)
+    return next(t for t in entry["tables"] if t["title"].startswith(title_start))
+
+
+def test_every_suite_reports(smoke_report):
+    assert [e["suite"] for e in smoke_report["suites"]] == list(bench_run.SUITES)
+    assert smoke_report["command"] == "python -m bench --smoke --out " + smoke_report["command"].split()[-1]
+    for entry in smoke_report["suites"]:
+        assert entry["tables"] and all(t["rows"] for t in entry["tables"]), entry["suite"]
+
+
+def test_throughput_numbers_are_finite_and_paired(smoke_report):
+    speed = _table(smoke_report, "throughput", "Train-step throughput")
+    cols = speed["columns"]
+    assert [r[0] for r in speed["rows"]] == [w.name for w in throughput_workloads("smoke")]
+    for row in speed["rows"]:
+        ours, hf, speedup = (row[cols.index(c)] for c in ("ours ms/step", "HF ms/step", "speed-up"))
+        assert 0 < ours < math.inf and 0 < hf < math.inf and speedup > 0
+        assert row[cols.index("rounds")] == 2
+    mfu = _table(smoke_report, "throughput", "Model FLOPs")
+    for row in mfu["rows"]:
+        assert 0 < row[mfu["columns"].index("ours MFU")] < 1
+
+
+def test_attention_variants_agree_and_memory_is_measured(smoke_report):
+    memory = _table(smoke_report, "attention", "Disentangled attention: XLA scratch")
+    for row in memory["rows"]:
+        assert all(v > 0 for v in row[1:5])
+    timing = _table(smoke_report, "attention", "Disentangled attention: forward")
+    assert any("max |Δ|" in n for n in timing["notes"])
+
+
+def test_naive_and_efficient_disentangled_attention_match():
+    s = settings(Scale("smoke", 2, 0))
+    assert max_abs_difference(s, 12) < 1e-5
+
+
+def test_flops_count_batch_independent_terms_once():
+    text = {w.cfg.position_scheme: w for w in throughput_workloads("smoke")}
+    deberta = text["deberta_v2"]
+    import dataclasses
+    double = dataclasses.replace(deberta, batch=2 * deberta.batch)
+    # the relative-table projection does not grow with the batch
+    assert forward_flops(double) < 2 * forward_flops(deberta)
+    bert = text["bert_abs"]
+    assert forward_flops(dataclasses.replace(bert, batch=2 * bert.batch)) == 2 * forward_flops(bert)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nosuch"], "unknown suite"),
+    (["--runs", "1"], "--runs=1"),
+    (["--budget", "-5"], "--budget=-5"),
+    (["--out", "results.txt"], "must end in .md or .json"),
+    (["--out", "/no/such/folder/r.md"], "does not exist"),
+])
+def test_bad_command_lines_fail_early(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_run.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_mode_without_gpu_says_how_to_fix(capsys):
+    assert bench_run.main(["--gpu", "compile"]) == 2
+    assert "--smoke" in capsys.readouterr().err
