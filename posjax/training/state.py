@@ -79,18 +79,34 @@ def init_state(task: Task, model: nn.Module, tx: optax.GradientTransformation, m
 # ----------------------------------------------------------------------------- init_from
 
 
+def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """(orbax checkpoint holding a top-level ``params`` tree, its model-config JSON) for
+    ``init_from``: a converter folder (``params/`` + ``model_config.json``) or a train.py
+    workdir (the latest ``checkpoints/<step>/state`` + ``config.json``)."""
+    root = pathlib.Path(path).expanduser().resolve()
+    if (root / "params").is_dir():
+        return root / "params", root / "model_config.json"
+    steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*")
+                   if p.name.isdigit() and (p / "state").is_dir())
+    if steps:
+        return root / "checkpoints" / str(steps[-1]) / "state", root / "config.json"
+    raise ValueError(f"init_from={str(path)!r}: neither a converter folder (params/ + "
+                     "model_config.json) nor a train.py workdir with checkpoints/<step>/state")
+
+
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
                     ) -> tuple[dict[str, np.ndarray | jax.Array], dict[str, Any]]:
     """Params saved by the converter (``<path>/params``: orbax StandardCheckpointer of
-    ``{'params': tree}``, plus ``<path>/model_config.json``), as {keystr path: array}.
+    ``{'params': tree}``, plus ``<path>/model_config.json``) or by train.py (``<path>`` a
+    workdir: the latest checkpoint's ``params``), as {keystr path: array}.
 
     Leaves whose path and shape match the target are restored straight onto the target's
     sharding; the others are restored replicated (they may be resampled or skipped).
     """
     import orbax.checkpoint as ocp
 
-    root = pathlib.Path(path).expanduser().resolve()
-    meta = ocp.StandardCheckpointer().metadata(root / "params")
+    params_dir, cfg_file = pretrained_location(path)
+    meta = ocp.StandardCheckpointer().metadata(params_dir)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     target = _flatten(target_params)
@@ -108,9 +124,8 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     restore_target = jax.tree_util.tree_map_with_path(
         abstract, dict(tree), is_leaf=lambda x: hasattr(x, "shape"))
     with ocp.StandardCheckpointer() as ckptr:
-        loaded = ckptr.restore(root / "params", restore_target)
+        loaded = ckptr.restore(params_dir, restore_target)
     model_cfg = {}
-    cfg_file = root / "model_config.json"
     if cfg_file.exists():
         model_cfg = json.loads(cfg_file.read_text())
     return _flatten(loaded["params"]), model_cfg

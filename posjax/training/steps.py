@@ -80,7 +80,7 @@ def make_train_step(task: Task, model: nn.Module, tx: optax.GradientTransformati
         grads, metrics = accumulate(state.params, batch, rng)
         weight = metrics["loss"][1]
         grads = jax.tree.map(lambda g: jnp.where(weight > 0, g / weight, 0.0), grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)

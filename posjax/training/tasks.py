@@ -26,6 +26,9 @@ with ``@register_task``, and implement:
     concatenation (numpy) to ``summarize``.
 ``summarize(outputs) -> dict[str, float]``
     Eval metrics over the whole split (accuracy, Matthews correlation, Spearman, ...).
+``write_predictions(outputs, directory)`` (optional)
+    Write the gathered ``eval_outputs`` of an evaluation as files in ``directory`` (eval.py
+    passes ``<workdir>/predictions/step_<N>``); returns their paths. Default: nothing.
 ``make_pipeline(split, batch_size, seed, train, shard_index, shard_count)``
     The input pipeline: an object with ``.iterator`` (checkpointable grain iterator yielding
     numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import pathlib
 from typing import Any, ClassVar, Mapping
 
 import flax.linen as nn
@@ -88,6 +92,10 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def summarize(self, outputs: Mapping[str, np.ndarray]) -> dict[str, float]: ...
+
+    def write_predictions(self, outputs: Mapping[str, np.ndarray],
+                          directory: pathlib.Path) -> list[pathlib.Path]:
+        return []
 
     @abc.abstractmethod
     def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,

@@ -1,0 +1,38 @@
+"""Default: a small ViT on scikit-learn's bundled 8x8 digits (real data every install has).
+
+    python train.py                        # this config, workdir /tmp/posjax_digits
+    python train.py --config configs/vit_digits.py:tiny --workdir /tmp/d   # seconds, for tests
+
+Target: >= 96% test accuracy (359 held-out digits) in under 5 minutes on 2 CPU cores.
+"""
+from posjax.data import default_data_config
+from posjax.training.loop import default_config
+
+
+def get_config(variant: str = "") -> "ml_collections.ConfigDict":
+    config = default_config()
+    config.data = default_data_config("digits")
+    config.model = dict(
+        position_scheme="vit", image_size=8, patch_size=2, num_channels=1, hidden_size=64,
+        num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
+        dropout_rate=0.1, attention_dropout_rate=0.0, dtype="float32")
+    config.num_steps = 1500
+    config.batch_size = 128
+    config.label_smoothing = 0.1
+    config.log_every_steps = 100
+    config.eval_every_steps = 500
+    config.optimizer.update(name="adamw", learning_rate=2e-3, schedule="cosine",
+                            warmup_steps=100, weight_decay=0.05, grad_clip_norm=1.0)
+    config.checkpoint.every_steps = 500
+    if variant == "tiny":   # for tests: seconds, not minutes
+        config.model.update(hidden_size=16, num_heads=2, num_layers=1, mlp_dim=32,
+                            dropout_rate=0.0)
+        config.num_steps = 6
+        config.batch_size = 16
+        config.log_every_steps = 2
+        config.eval_every_steps = 0
+        config.optimizer.warmup_steps = 1
+        config.checkpoint.every_steps = 2
+    elif variant:
+        raise ValueError(f"variant {variant!r} is unknown: use '' (default) or 'tiny'")
+    return config

@@ -1,0 +1,84 @@
+"""Checkpoints: train state + input-iterator state in one Orbax step directory.
+
+``<workdir>/checkpoints/<step>/state`` (sharded arrays, restorable onto any mesh: the restore
+target carries the new shardings) and ``<workdir>/checkpoints/<step>/data_iter`` (one Grain
+iterator state file per process). Saves are asynchronous; ``every_steps`` and ``keep`` set the
+interval and how many are kept. Preemption (SIGTERM) is honoured at the next step boundary:
+single process via a signal flag, multi-process via JAX's preemption sync point, so every
+process saves the same step.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import signal
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Orbax CheckpointManager over ``<workdir>/checkpoints``."""
+
+    def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
+                 async_save: bool = True, create: bool = True):
+        self.directory = pathlib.Path(workdir).expanduser().resolve() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=max(int(every_steps), 1), max_to_keep=int(keep) or None,
+            enable_async_checkpointing=async_save, create=create)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("state", "data_iter"))
+        self._preempted = False
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
+        """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
+        return self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data_iter=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+
+    def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
+        """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
+        is set to the saved position in place."""
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iter is not None:
+            items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except (FileNotFoundError, ValueError) as e:
+            if data_iter is not None and "process_" in str(e):
+                raise ValueError(
+                    f"checkpoint {self.directory / str(step)} holds input-iterator states for "
+                    f"another number of processes than the current {jax.process_count()}: "
+                    "resume with the same process count") from e
+            raise
+        return restored["state"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    def watch_preemption(self) -> None:
+        """Single process: SIGTERM sets a flag read by ``reached_preemption``. (With several
+        processes JAX's distributed runtime already turns SIGTERM into a sync point.)"""
+        if jax.process_count() == 1:
+            def on_sigterm(signum, frame):
+                logging.warning("SIGTERM: will save a checkpoint after the current step and exit")
+                self._preempted = True
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once every process should save ``step`` and stop."""
+        return self._preempted or self.manager.reached_preemption(step)

@@ -1,0 +1,447 @@
+"""Training and evaluation entry points: ``train(config, workdir)``, ``evaluate(config, workdir)``.
+
+Everything the user can get wrong (config values, mesh vs devices, batch divisibility, data
+files, the workdir) is checked by ``prepare`` before anything is compiled or written.
+
+Workdir layout: ``config.json`` (the run's config; a different run is refused),
+``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>.json`` (eval metrics
+of that checkpoint), ``metrics.jsonl``, ``tensorboard/``, ``loss_curve.png``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from posjax.training import checkpoint as ckpt_lib
+from posjax.training import mesh as mesh_lib
+from posjax.training import metrics as metrics_lib
+from posjax.training import optim
+from posjax.training import state as state_lib
+from posjax.training import steps as steps_lib
+from posjax.training.tasks import Task, make_task
+
+CONFIG_FILE = "config.json"
+# Keys that may change between a run and its resumption (they do not change the math).
+OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
+                    "distributed", "data.worker_count")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every training key with its default (configs/ override what they need)."""
+    return ml_collections.ConfigDict({
+        "task": "image_classification",
+        "seed": 0,
+        "num_steps": 1000,
+        "batch_size": 128,           # global, over all processes
+        "eval_batch_size": 0,        # 0: batch_size
+        "microbatches": 1,           # gradient accumulation: batch split into this many
+        "label_smoothing": 0.0,
+        "log_every_steps": 50,
+        "eval_every_steps": 0,       # 0: evaluate only at the end
+        "init_from": "",             # converter output dir (params/ + model_config.json)
+                                     # or a train.py workdir (its latest checkpoint's params)
+        "peak_flops": 0.0,           # per device, for MFU; 0: table by device kind or measured
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+        "optimizer": {"name": "adamw", "learning_rate": 1e-3, "schedule": "cosine",
+                      "warmup_steps": 0, "end_learning_rate": 0.0, "b1": 0.9, "b2": 0.999,
+                      "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.9, "nesterov": False,
+                      "grad_clip_norm": 0.0},
+        "checkpoint": {"every_steps": 500, "keep": 3, "async_save": True},
+        "distributed": {"enabled": False, "coordinator_address": "", "num_processes": 0,
+                        "process_id": -1},
+        "model": {},
+        "data": {},
+    })
+
+
+def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
+    """jax.distributed.initialize when ``config.distributed.enabled`` (before any device use).
+    Empty address / 0 processes / -1 id: auto-detected (TPU pods, SLURM, ...)."""
+    d = config.distributed
+    if not d.enabled:
+        return
+    kwargs = {}
+    if d.coordinator_address:
+        kwargs["coordinator_address"] = d.coordinator_address
+    if d.num_processes > 0:
+        kwargs["num_processes"] = int(d.num_processes)
+    if d.process_id >= 0:
+        kwargs["process_id"] = int(d.process_id)
+    jax.distributed.initialize(**kwargs)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def validate_training_config(config: ml_collections.ConfigDict) -> None:
+    """Scalar training keys (the task, optimizer and data check their own)."""
+    for key in ("num_steps", "batch_size", "microbatches", "log_every_steps"):
+        v = config[key]
+        _check(isinstance(v, int) and v > 0, f"{key}={v!r} is not valid: must be a positive "
+                                             "integer")
+    for key in ("eval_batch_size", "eval_every_steps"):
+        v = config[key]
+        _check(isinstance(v, int) and v >= 0, f"{key}={v!r} is not valid: must be an integer "
+                                              ">= 0 (0 = default)")
+    _check(config.checkpoint.every_steps > 0, f"checkpoint.every_steps="
+           f"{config.checkpoint.every_steps!r} is not valid: must be > 0")
+    _check(config.checkpoint.keep >= 0, f"checkpoint.keep={config.checkpoint.keep!r} is not "
+           "valid: must be >= 0 (0 keeps all)")
+    _check(config.peak_flops >= 0, f"peak_flops={config.peak_flops!r} is not valid: must be >= 0")
+    optim.validate(config.optimizer, config.num_steps)
+    if config.init_from:
+        state_lib.pretrained_location(config.init_from)   # raises when there is nothing to load
+
+
+def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+    """The global batch must split evenly over processes, batch shards and microbatches."""
+    shards = mesh_lib.batch_shards(mesh)
+    n = config.microbatches
+    for key in ("batch_size", "eval_batch_size"):
+        size = config[key] or config.batch_size
+        need = shards * (n if key == "batch_size" else 1)
+        _check(size % need == 0,
+               f"{key}={size} is not divisible by " + (
+                   f"microbatches={n} x batch shards (data x fsdp = {shards})"
+                   if key == "batch_size" else f"the batch shards (data x fsdp = {shards})")
+               + f": use a multiple of {need}")
+        _check(size % jax.process_count() == 0,
+               f"{key}={size} is not divisible by the {jax.process_count()} processes")
+    # Each process must own distinct rows of the batch (it feeds its own data shard).
+    sharding = mesh_lib.batch_sharding(mesh)
+    rows: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map((shards,)).items():
+        rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
+    owners = [frozenset(r) for r in rows.values()]
+    _check(len(set(owners)) == len(owners) and
+           all(not (a & b) for i, a in enumerate(owners) for b in owners[i + 1:]),
+           f"mesh {dict(mesh.shape)} gives several processes the same batch rows: make "
+           f"data x fsdp a multiple of the process count {jax.process_count()}")
+
+
+def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as plain JSON-compatible data (tuples become lists)."""
+    return json.loads(config.to_json())
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: saved -> current' for every key that differs, ignoring OPERATIONAL_KEYS."""
+    a, b = _flat(saved), _flat(current)
+    def operational(k):
+        return any(k == o or k.startswith(o + ".") for o in OPERATIONAL_KEYS)
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+            for k in sorted(set(a) | set(b)) if not operational(k) and a.get(k) != b.get(k)]
+
+
+def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+    """Writable, and not holding another config's run."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"workdir {str(workdir)!r} is a file: give a directory")
+    probe_dir = workdir
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(probe_dir)!r} denies "
+                         "writing): choose a directory you can write to")
+    saved = workdir / CONFIG_FILE
+    if saved.exists():
+        diffs = config_differences(json.loads(saved.read_text()), config_dict(config))
+        if diffs:
+            raise ValueError(
+                f"workdir {str(workdir)!r} holds a run with another config; refusing to "
+                "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
+                + "\nUse a new --workdir (or delete this one to start over).")
+    elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {CONFIG_FILE}: "
+                         "it is not a posjax run directory; use a new --workdir")
+
+
+# ----------------------------------------------------------------------------- run setup
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built from a validated config, before any compilation."""
+
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    task: Task
+    model: nn.Module
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract: state_lib.TrainState
+    shardings: state_lib.TrainState
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+    def context(self):
+        """Mesh + logical rules, active while steps are traced and run."""
+        return _Context(self.mesh)
+
+
+class _Context:
+    def __init__(self, mesh: Mesh):
+        self._mesh = jax.set_mesh(mesh)
+        self._rules = nn.logical_axis_rules(mesh_lib.LOGICAL_RULES)
+
+    def __enter__(self):
+        self._mesh.__enter__()
+        self._rules.__enter__()
+
+    def __exit__(self, *exc):
+        self._rules.__exit__(*exc)
+        self._mesh.__exit__(*exc)
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+            training: bool) -> Run:
+    """Validate everything and build the run's objects (abstract only: nothing compiled)."""
+    workdir = pathlib.Path(workdir).expanduser().resolve()
+    task = make_task(config)
+    validate_training_config(config)
+    task.validate()
+    mesh = mesh_lib.build_mesh(config.mesh)
+    validate_batch(config, mesh)
+    if training:
+        check_workdir(workdir, config)
+    elif not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first")
+    model = task.build_model()
+    tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
+    abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings)
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over data × fsdp."""
+    return {k: jax.make_array_from_process_local_data(mesh_lib.batch_sharding(mesh, v.ndim),
+                                                      np.asarray(v))
+            for k, v in local.items()}
+
+
+def _batch_spec(task: Task) -> dict[str, np.ndarray]:
+    return task.dummy_batch(1)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def run_evaluation(run: Run, params: Any, eval_step,
+                   predictions_dir: pathlib.Path | None = None) -> dict[str, float]:
+    """One pass over the test split; per-example outputs gathered from every process, padded
+    examples dropped, then ``task.summarize`` (and ``task.write_predictions`` into
+    ``predictions_dir`` when given, on process 0)."""
+    config = run.config
+    batch_size = (config.eval_batch_size or config.batch_size) // jax.process_count()
+    pipe = run.task.make_pipeline("test", batch_size, config.seed, False,
+                                  jax.process_index(), jax.process_count())
+    collected: dict[str, list[np.ndarray]] = {}
+    for local in pipe.iterator:
+        batch = global_batch(local, run.mesh)
+        outputs = dict(eval_step(params, batch))
+        outputs["__mask__"] = batch["mask"]
+        gathered = multihost_utils.process_allgather(outputs, tiled=True)
+        for k, v in gathered.items():
+            collected.setdefault(k, []).append(np.asarray(v))
+    mask = np.concatenate(collected.pop("__mask__")).astype(bool)
+    outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
+    if predictions_dir is not None and run.is_main:
+        run.task.write_predictions(outputs, predictions_dir)
+    return run.task.summarize(outputs)
+
+
+def eval_file(workdir: pathlib.Path, step: int) -> pathlib.Path:
+    return workdir / "checkpoints" / f"eval_{step}.json"
+
+
+def write_eval(run: Run, step: int, result: dict[str, float]) -> pathlib.Path:
+    path = eval_file(run.workdir, step)
+    if run.is_main:
+        path.write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
+    return path
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+             step: int | None = None) -> dict[str, float]:
+    """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
+    run = prepare(config, workdir, training=False)
+    checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
+                                         config.checkpoint.keep, create=False)
+    steps = checkpointer.all_steps()
+    if step is None:
+        step = checkpointer.latest_step()
+    if step is None or step not in steps:
+        raise ValueError(f"step={step!r}: no such checkpoint in {checkpointer.directory} "
+                         f"(available: {sorted(steps) or 'none'})")
+    state = checkpointer.restore(step, run.abstract)
+    checkpointer.close()
+    eval_step = steps_lib.make_eval_step(run.task, run.model, run.mesh, run.shardings.params,
+                                         _batch_spec(run.task))
+    with run.context():
+        result = run_evaluation(run, state.params, eval_step,
+                                run.workdir / "predictions" / f"step_{step}")
+    path = write_eval(run, step, result)
+    logging.info("eval step %d: %s (written to %s)", step, result, path)
+    return {"step": step, **result}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int                      # last step reached
+    preempted: bool                # stopped by SIGTERM after saving
+    eval: dict[str, float]         # final eval metrics (empty when preempted)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+          stop_after: int | None = None) -> TrainResult:
+    """Train to ``config.num_steps`` (resuming from the latest checkpoint in ``workdir``).
+
+    ``stop_after``: stop (with a saved checkpoint) once this step is reached, as a preemption
+    would; used to test resumption.
+    """
+    run = prepare(config, workdir, training=True)
+    run.workdir.mkdir(parents=True, exist_ok=True)
+    if run.is_main:
+        (run.workdir / CONFIG_FILE).write_text(json.dumps(config_dict(config), indent=2) + "\n")
+    checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
+                                         config.checkpoint.keep, config.checkpoint.async_save)
+    try:
+        return _train(run, checkpointer, stop_after)
+    finally:
+        checkpointer.close()
+
+
+def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
+                 ) -> tuple[state_lib.TrainState, int]:
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        logging.info("resuming from %s/%d", checkpointer.directory, latest)
+        return checkpointer.restore(latest, run.abstract, iterator), latest
+    state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
+                                 run.config.seed)
+    if run.config.init_from:
+        state = state_lib.load_init_from(state, run.config.init_from, run.shardings)
+    return state, 0
+
+
+def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None) -> TrainResult:
+    config, task = run.config, run.task
+    num_steps = config.num_steps
+    pipe = task.make_pipeline("train", config.batch_size // jax.process_count(), config.seed,
+                              True, jax.process_index(), jax.process_count())
+    iterator = pipe.iterator
+    state, start = _start_state(run, checkpointer, iterator)
+    spec = _batch_spec(task)
+    train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
+                                           spec, config.microbatches)
+    eval_step = steps_lib.make_eval_step(task, run.model, run.mesh, run.shardings.params, spec)
+    writer = metrics_lib.MetricWriter(run.workdir, run.is_main, start)
+    progress = metrics_lib.Progress(num_steps, start)
+    accumulator = metrics_lib.MetricAccumulator()
+    flops_per_example = task.flops_per_example()
+    peak, peak_source = metrics_lib.peak_flops_per_device(config.peak_flops)
+    logging.info("model: %.4g train FLOPs/example; peak %.4g FLOP/s/device (%s); %d devices",
+                 flops_per_example, peak, peak_source, jax.device_count())
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
+    checkpointer.watch_preemption()
+    preempted = False
+    step = start
+    first = True
+    with run.context():
+        while step < num_steps:
+            batch = global_batch(next(iterator), run.mesh)
+            state, step_metrics = train_step(state, batch, key)
+            step += 1
+            accumulator.add(step_metrics)
+            if first:   # exclude compilation from throughput
+                jax.block_until_ready(state.step)
+                progress.restart(step)
+                first = False
+            if step % config.log_every_steps == 0 or step == num_steps:
+                _log_train(run, step, accumulator, progress, writer, flops_per_example, peak)
+            if config.eval_every_steps and step % config.eval_every_steps == 0 \
+                    and step != num_steps:
+                result = run_evaluation(run, state.params, eval_step)
+                writer.write(step, "eval", result)
+                _print(run, f"eval at step {step}: {_format(result)}")
+            checkpointer.save(step, state, iterator)
+            if checkpointer.reached_preemption(step) or step == stop_after:
+                if checkpointer.latest_step() != step:
+                    checkpointer.save(step, state, iterator, force=True)
+                checkpointer.wait()
+                preempted = True
+                break
+        if preempted:
+            logging.warning("stopped at step %d with a checkpoint; rerun to resume", step)
+            writer.close()
+            return TrainResult(step, True, {})
+        if checkpointer.latest_step() != step:
+            checkpointer.save(step, state, iterator, force=True)
+        checkpointer.wait()
+        result = run_evaluation(run, state.params, eval_step)
+    writer.write(step, "eval", result)
+    writer.close()
+    path = write_eval(run, step, result)
+    if run.is_main:
+        metrics_lib.plot_curves(run.workdir)
+    _print(run, f"final eval at step {step}: {_format(result)}  ({path})")
+    return TrainResult(step, False, result)
+
+
+def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
+               progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
+               flops_per_example: float, peak: float) -> None:
+    scalars = accumulator.result()
+    steps_per_s, _ = progress.rate(step)
+    examples_per_s = steps_per_s * run.config.batch_size
+    scalars.update({
+        "lr": float(run.schedule(step - 1)),
+        "steps_per_s": steps_per_s,
+        "examples_per_s": examples_per_s,
+        "mfu": flops_per_example * examples_per_s / (peak * jax.device_count()),
+    })
+    writer.write(step, "train", scalars)
+    _print(run, progress.line(step, scalars, steps_per_s))
+
+
+def _format(result: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in result.items())
+
+
+def _print(run: Run, line: str) -> None:
+    if run.is_main:
+        print(line, flush=True)

@@ -1,0 +1,200 @@
+"""Metrics: accumulation of step metrics, TensorBoard + JSONL writing, console progress, MFU.
+
+Files under the workdir (written by process 0 only):
+``metrics.jsonl``  one JSON object per line: {"step", "split" ("train"|"eval"), metric: value};
+``tensorboard/``   the same scalars as ``<split>/<metric>`` (tensorboardX);
+``loss_curve.png`` train loss (and eval accuracy) against step, drawn at the end of training.
+
+MFU = (model FLOPs per example × examples/s) / (peak FLOP/s per device × devices), with model
+FLOPs from ``flops.py``. Peak per device: ``config.peak_flops`` if > 0, else the dense bf16 peak
+of known accelerators (``PEAK_FLOPS`` by device kind), else measured once at startup with a
+large jitted fp32 matmul running on every local device at once (CPU).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pathlib
+import time
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak FLOP/s of one JAX device, by substring of device_kind (first match wins).
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("TPU v2", 22.5e12),        # per core (a v2 chip has 2 devices)
+    ("TPU v3", 61.5e12),        # per core
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5", 459e12),         # v5p
+    ("TPU v6", 918e12),         # v6e (Trillium)
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops_per_device(configured: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from)."""
+    if configured > 0:
+        return float(configured), "config.peak_flops"
+    kind = jax.devices()[0].device_kind
+    for key, value in PEAK_FLOPS:
+        if key.lower() in kind.lower():
+            return value, f"table ({kind})"
+    return measure_matmul_flops(), f"measured fp32 matmul ({kind})"
+
+
+def measure_matmul_flops(size: int = 1024, repeats: int = 3) -> float:
+    """Best-of-``repeats`` FLOP/s per local device of a (size × size) fp32 matmul run on every
+    local device at once (fake CPU devices share the cores, so this is each one's share)."""
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(jnp.ones((len(devices), size, size), jnp.float32), sharding)
+    matmul = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a))
+    matmul(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 / best
+
+
+class MetricAccumulator:
+    """Sums step metrics {name: (sum, weight)} and scalar extras on device until ``result``."""
+
+    def __init__(self):
+        self._sums: dict[str, Any] = {}
+        self._count = 0
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        for name, value in metrics.items():
+            pair = value if isinstance(value, tuple) else (value, 1.0)
+            old = self._sums.get(name)
+            self._sums[name] = pair if old is None else (old[0] + pair[0], old[1] + pair[1])
+        self._count += 1
+
+    def result(self) -> dict[str, float]:
+        """{name: Σsum / Σweight} (host floats) and reset."""
+        fetched = jax.device_get(self._sums)
+        self._sums, self._count = {}, 0
+        return {k: float(s) / float(w) if float(w) else float("nan")
+                for k, (s, w) in fetched.items()}
+
+
+class MetricWriter:
+    """metrics.jsonl + TensorBoard on process 0 (a no-op elsewhere)."""
+
+    def __init__(self, workdir: str | pathlib.Path, enabled: bool, start_step: int):
+        self.enabled = enabled
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        drop_after(self.path, start_step)
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
+                                 purge_step=start_step or None)
+
+    def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": int(step), "split": split, **scalars}) + "\n")
+        for name, value in scalars.items():
+            self._tb.add_scalar(f"{split}/{name}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def drop_after(path: pathlib.Path, step: int) -> None:
+    """Remove records of steps > ``step`` (logged after the checkpoint a run resumes from, so
+    they are about to be recomputed). Rewrites the file atomically."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(path)
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+class Progress:
+    """Console line per log interval: step, metrics, throughput and ETA."""
+
+    def __init__(self, num_steps: int, start_step: int):
+        self.num_steps = num_steps
+        self.mark_step = start_step
+        self.mark_time = time.perf_counter()
+
+    def restart(self, step: int) -> None:
+        """Start timing from ``step`` (called after compilation so it is not counted)."""
+        self.mark_step, self.mark_time = step, time.perf_counter()
+
+    def rate(self, step: int) -> tuple[float, float]:
+        """(steps/s since the last mark, seconds elapsed); moves the mark to ``step``."""
+        now = time.perf_counter()
+        elapsed = now - self.mark_time
+        steps = step - self.mark_step
+        rate = steps / elapsed if steps > 0 and elapsed > 0 else float("nan")
+        self.mark_step, self.mark_time = step, now
+        return rate, elapsed
+
+    def line(self, step: int, scalars: Mapping[str, float], steps_per_s: float) -> str:
+        left = self.num_steps - step
+        eta = (datetime.timedelta(seconds=round(left / steps_per_s))
+               if steps_per_s > 0 and math.isfinite(steps_per_s) else "?")
+        shown = " ".join(f"{k} {_fmt(v)}" for k, v in scalars.items())
+        return f"step {step}/{self.num_steps}  {shown}  ETA {eta}"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
+    """``loss_curve.png``: train loss (left axis) and eval accuracy if any (right axis)."""
+    workdir = pathlib.Path(workdir)
+    records = read_metrics(workdir / "metrics.jsonl")
+    train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and "loss" in r]
+    if not train:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    evals = [(r["step"], r["accuracy"]) for r in records
+             if r["split"] == "eval" and "accuracy" in r]
+    if evals:
+        acc = ax.twinx()
+        acc.plot(*zip(*evals), "o-", label="eval accuracy", color="tab:orange")
+        acc.set_ylabel("eval accuracy")
+        acc.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.set_title(workdir.name)
+    fig.tight_layout()
+    out = workdir / "loss_curve.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,36 @@
+"""Train a model: python train.py [--config configs/X.py[:variant]] [--workdir DIR] [--config.a.b=v]
+
+With no flags it trains the default ViT on scikit-learn's digits into /tmp/posjax_digits.
+Rerunning with the same workdir resumes from the latest checkpoint.
+"""
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from posjax.training import loop
+
+DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
+
+config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file[:variant].")
+flags.DEFINE_string("workdir", "/tmp/posjax_digits", "Directory for checkpoints and logs.")
+
+
+def main(argv):
+    if not flags.FLAGS["verbosity"].present:   # Orbax logs every save at INFO
+        logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]}")
+    config = flags.FLAGS.config
+    loop.maybe_initialize_distributed(config)
+    try:
+        result = loop.train(config, flags.FLAGS.workdir)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if result.preempted:
+        print(f"preempted: checkpoint saved at step {result.step}; rerun to resume")
+
+
+if __name__ == "__main__":
+    app.run(main)
