@@ -3,6 +3,7 @@ posjax.convert, must reproduce HF hidden states and head outputs (fp32, max abs 
 non-pad tokens); exported folders must load in transformers and reproduce posjax's outputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import flax.linen as nn
@@ -16,7 +17,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from posjax.convert import export_hf, load_pretrained  # noqa: E402
 from posjax.convert.mapping import check_tree, flatten  # noqa: E402
-from posjax.convert.pretrained import Pretrained, build_module, expected_params  # noqa: E402
+from posjax.convert.pretrained import Pretrained, expected_params  # noqa: E402
 from posjax.models.config import TextConfig  # noqa: E402
 from posjax.models.text import TextEncoder  # noqa: E402
 
@@ -53,12 +54,21 @@ def hf_text_outputs(model, ids, mask, types):
     return out
 
 
-def ours_hidden(pre: Pretrained, ids, mask, types):
-    """Every layer's output of our text encoder, (num_layers, B, L, H)."""
-    params = pre.params if pre.task == "encoder" else pre.params["encoder"]
-    layers = TextEncoder(pre.config).apply({"params": params}, ids, mask, types,
-                                           method=TextEncoder.hidden_states)[0]
-    return np.stack([np.asarray(x) for x in layers])
+def ours_text(pre: Pretrained, ids, mask, types, positions=None):
+    """(every layer's output (num_layers, B, L, H), head output or None), in one compilation."""
+    encoder_params = pre.params if pre.task == "encoder" else pre.params["encoder"]
+
+    @jax.jit
+    def run(params, encoder_params):
+        layers = TextEncoder(pre.config).apply({"params": encoder_params}, ids, mask, types,
+                                               method=TextEncoder.hidden_states)[0]
+        if pre.task == "encoder":
+            return layers, None
+        extra = (positions,) if positions is not None else ()
+        return layers, pre.module().apply({"params": params}, ids, mask, types, *extra)
+
+    layers, head = run(pre.params, encoder_params)
+    return np.stack(layers), head
 
 
 def assert_close(ours, theirs, mask=None, what=""):
@@ -186,24 +196,17 @@ def test_deberta_parity_and_round_trip(case, tmp_path):
     cfg = model.config
     ids, mask, types = text_batch(cfg.vocab_size, cfg.type_vocab_size)
     hf_out = hf_text_outputs(model, ids, mask, types)
-    ours = ours_hidden(pre, ids, mask, types)
+    positions = np.array([[1, 5, 9], [0, 3, 6], [1, 2, 3]]) if emd else None
+    ours, logits = ours_text(pre, ids, mask, types, positions)
     for i, hs in enumerate(hf_out.hidden_states[1:]):
         assert_close(ours[i], hs.numpy(), mask, f"{case} layer {i} hidden states")
-
-    module = pre.module()
-    variables = {"params": pre.params}
-    if pre.task == "mlm":
-        if emd:
-            positions = np.array([[1, 5, 9], [0, 3, 6], [1, 2, 3]])
-            logits = module.apply(variables, ids, mask, types, positions)
-            ref = emd_reference(model, hf_out, mask, table).numpy()
-            ref = np.take_along_axis(ref, positions[..., None], axis=1)
-            assert_close(logits, ref, None, f"{case} EMD logits")
-        else:
-            logits = module.apply(variables, ids, mask, types)
-            assert_close(logits, hf_out.logits.numpy(), mask, f"{case} MLM logits")
+    if emd:
+        ref = emd_reference(model, hf_out, mask, table).numpy()
+        ref = np.take_along_axis(ref, positions[..., None], axis=1)
+        assert_close(logits, ref, None, f"{case} EMD logits")
+    elif pre.task == "mlm":
+        assert_close(logits, hf_out.logits.numpy(), mask, f"{case} MLM logits")
     elif pre.task == "classification":
-        logits = module.apply(variables, ids, mask, types)
         assert_close(logits, hf_out.logits.numpy(), None, f"{case} classification logits")
 
     # Round trip posjax -> HF -> posjax: identical params, and transformers reproduces HF.
@@ -242,9 +245,10 @@ def hf_vit(arch: str, kw: dict, seed: int):
 
 def ours_vit(pre: Pretrained, images: np.ndarray):
     """(output, final LayerNorm states (B, N+1, H))."""
-    out, state = pre.module().apply(
-        {"params": pre.params}, images,
-        capture_intermediates=lambda mdl, _: mdl.name == "encoder_norm", mutable=["intermediates"])
+    out, state = jax.jit(lambda params: pre.module().apply(
+        {"params": params}, images,
+        capture_intermediates=lambda mdl, _: mdl.name == "encoder_norm",
+        mutable=["intermediates"]))(pre.params)
     return np.asarray(out), np.asarray(state["intermediates"]["encoder_norm"]["__call__"][0])
 
 
@@ -286,27 +290,31 @@ def random_params(tree, seed: int):
                                         for x in leaves])
 
 
-@pytest.mark.parametrize("scheme", ["deberta", "deberta_v2"])
-def test_posjax_native_model_served_by_transformers(scheme, tmp_path):
+@pytest.mark.parametrize("scheme,task", [("deberta", "classification"), ("deberta_v2", "mlm")])
+def test_posjax_native_model_served_by_transformers(scheme, task, tmp_path):
     """A model initialised (as if fine-tuned) in posjax, exported, gives the same logits in
-    transformers' DeBERTa classifier."""
+    transformers. Its absolute table is unused (no biased input, no EMD), so the export leaves
+    it out and the re-import has max_position_embeddings=0 (and, for MLM, still no EMD)."""
     cfg = TextConfig(position_scheme=scheme, vocab_size=50, hidden_size=32, num_heads=4,
-                     num_layers=2, mlp_dim=40, max_position_embeddings=0, type_vocab_size=2,
+                     num_layers=2, mlp_dim=40, max_position_embeddings=64, type_vocab_size=2,
                      position_biased_input=False, max_relative_positions=16,
                      position_buckets=8 if scheme == "deberta_v2" else 0,
                      norm_rel_ebd=scheme == "deberta_v2", layer_norm_eps=1e-7,
                      dropout_rate=0.0, attention_dropout_rate=0.0, pooler_act="gelu")
-    module = build_module("text", "classification", cfg, num_labels=4)
-    params = random_params(nn.meta.unbox(expected_params("text", "classification", cfg, 4)), 3)
-    pre = Pretrained(cfg, params, "text", "classification")
+    labels = 4 if task == "classification" else 0
+    params = random_params(nn.meta.unbox(expected_params("text", task, cfg, labels)), 3)
+    pre = Pretrained(cfg, params, "text", task)
     ids, mask, types = text_batch(50, 2, seed=5)
-    ours = np.asarray(module.apply({"params": params}, ids, mask, types))
+    _, ours = ours_text(pre, ids, mask, types)
     folder = export_hf(pre, tmp_path / "hf")
-    arch = "DebertaV2ForSequenceClassification" if scheme == "deberta_v2" else \
-        "DebertaForSequenceClassification"
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     model = getattr(transformers, arch).from_pretrained(folder).eval()
-    assert_close(hf_text_outputs(model, ids, mask, types).logits.numpy(), ours, None,
-                 f"{scheme} exported classifier")
+    assert_close(hf_text_outputs(model, ids, mask, types).logits.numpy(), ours,
+                 mask if task == "mlm" else None, f"{scheme} exported {task}")
+    again = load_pretrained(folder)
+    assert again.config == dataclasses.replace(cfg, max_position_embeddings=0)
+    base = again.params["encoder"]["embeddings"]
+    assert "position_embeddings" not in base
 
 
 def test_pytorch_bin_checkpoint(tmp_path):

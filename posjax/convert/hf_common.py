@@ -12,6 +12,11 @@ ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "
              "identity": "linear"}
 
 
+def config_path(weights: str | pathlib.Path) -> str:
+    """The config.json beside a weights file (for error messages)."""
+    return str(pathlib.Path(weights).parent / "config.json")
+
+
 def read_config_json(folder: pathlib.Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():

@@ -19,16 +19,16 @@ Checkpoint layouts handled (names as in the files users download):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping
 
 import numpy as np
 
 from posjax.convert import mapping as m
-from posjax.convert.hf_common import HFConfig, activation_to_hf, labels_config
+from posjax.convert.hf_common import HFConfig, activation_to_hf, config_path, labels_config
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import TextConfig
-from posjax.models.encoder import relative_span
 
 MODEL_TYPES = {"deberta": "deberta", "deberta-v2": "deberta_v2"}
 
@@ -205,7 +205,7 @@ def import_deberta(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndar
 
     ``task``: None infers it from the heads present; 'encoder' drops any head.
     """
-    hf = HFConfig(config_json, HF_DEFAULTS[config_json["model_type"]], f"{source} config.json")
+    hf = HFConfig(config_json, HF_DEFAULTS[config_json["model_type"]], config_path(source))
     names = set(tensors)
     prefix = "deberta." if any(n.startswith("deberta.") for n in names) else ""
     task = task or _detect_task(names, source)
@@ -282,7 +282,7 @@ def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarra
         "hidden_act": activation_to_hf(cfg.hidden_act, "hidden_act"),
         "hidden_dropout_prob": cfg.dropout_rate,
         "attention_probs_dropout_prob": cfg.attention_dropout_rate,
-        "max_position_embeddings": cfg.max_position_embeddings or 512,
+        "max_position_embeddings": cfg.max_position_embeddings or 512,   # HF: position_ids
         "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.layer_norm_eps,
         "relative_attention": True, "max_relative_positions": cfg.max_relative_positions,
         "pad_token_id": cfg.pad_token_id, "position_biased_input": cfg.position_biased_input,
@@ -300,7 +300,14 @@ def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarra
         out.update(labels_config(pre.num_labels))
     prefix = "" if task == "encoder" else "deberta."
     base = () if task == "encoder" else ("encoder",)
+    params = pre.params
+    if cfg.max_position_embeddings and not (cfg.position_biased_input or cfg.use_emd):
+        # An absolute table neither the input nor EMD reads: HF ignores it, and reading it back
+        # would switch EMD on for MLM models, so it is left out (outputs are unaffected).
+        cfg = dataclasses.replace(cfg, max_position_embeddings=0)
+        flat = m.flatten(params)
+        del flat[base + ("embeddings", "position_embeddings", "embedding")]
+        params = m.unflatten(flat)
     links = encoder_links(cfg, prefix, base) + head_links(task, legacy_mlm)
-    tensors = m.export_tensors(links, pre.params, f"export of {cfg.position_scheme} {task}")
-    assert tensors[prefix + "encoder.rel_embeddings.weight"].shape[0] == 2 * relative_span(cfg)
+    tensors = m.export_tensors(links, params, f"export of {cfg.position_scheme} {task}")
     return out, tensors

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from posjax.convert import mapping as m
-from posjax.convert.hf_common import HFConfig, activation_to_hf, labels_config
+from posjax.convert.hf_common import HFConfig, activation_to_hf, config_path, labels_config
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import ViTConfig
 
@@ -56,7 +56,7 @@ def import_vit(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
                task: str | None = None) -> Pretrained:
     """HF ViT checkpoint -> Pretrained (task 'classification' with a classifier, else 'encoder';
     task='encoder' drops the classifier)."""
-    hf = HFConfig(config_json, HF_DEFAULTS, f"{source} config.json")
+    hf = HFConfig(config_json, HF_DEFAULTS, config_path(source))
     names = set(tensors)
     prefix = "vit." if any(n.startswith("vit.") for n in names) else ""
     has_head = "classifier.weight" in names

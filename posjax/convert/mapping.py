@@ -51,7 +51,8 @@ def embedding(source: str, target: Path) -> Link:
 
 
 def layer_norm(source: str, target: Path) -> list[Link]:
-    return [copy(f"{source}.weight", target + ("scale",)), copy(f"{source}.bias", target + ("bias",))]
+    return [copy(f"{source}.weight", target + ("scale",)),
+            copy(f"{source}.bias", target + ("bias",))]
 
 
 def head_bias(source: str, target: Path, heads: int) -> Link:
