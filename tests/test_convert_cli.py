@@ -77,3 +77,36 @@ def test_cli_npz_with_new_resolution(tmp_path):
     assert ViTConfig.from_dict(meta["config"]).image_size == (24, 24)
     restored = ocp.StandardCheckpointer().restore(tmp_path / "out" / "params")["params"]
     assert restored["pos_embedding"].shape == (1, 1 + 36, 16)
+
+
+def test_train_workdir_exported_for_transformers(tmp_path):
+    """A fine-tuned GLUE run (train.py layout: config.json with task/model, and
+    checkpoints/<step>/state holding the train state) is served by transformers. Sequences stay
+    shorter than max_relative_positions: beyond it posjax follows the official clamp of i - j
+    before log bucketing and HF does not (DESIGN.md §3.3)."""
+    from posjax.convert import expected_params
+    from test_convert_hf import random_params, text_batch
+    model_cfg = dict(position_scheme="deberta_v2", vocab_size=30, hidden_size=16, num_heads=2,
+                     num_layers=1, mlp_dim=24, max_position_embeddings=0, type_vocab_size=2,
+                     position_biased_input=False, max_relative_positions=16, position_buckets=4,
+                     norm_rel_ebd=True, dropout_rate=0.0, attention_dropout_rate=0.0)
+    cfg = TextConfig.from_dict(model_cfg)
+    params = random_params(expected_params("text", "classification", cfg, 3), 0)
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"task": "glue", "model": model_cfg}))
+    for step, scale in ((2, 0.0), (7, 1.0)):   # the latest step is exported
+        state = {"step": np.int32(step), "params": jax.tree.map(lambda x: x * scale, params),
+                 "opt_state": {"mu": jax.tree.map(np.zeros_like, params)}}
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(workdir / "checkpoints" / str(step) / "state", state)
+    assert main(["--from", str(workdir), "--to", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    model = transformers.DebertaV2ForSequenceClassification.from_pretrained(tmp_path / "hf")
+    ids, mask, types = text_batch(30, 2)
+    with torch.no_grad():
+        theirs = model.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                              token_type_ids=torch.tensor(types)).logits.numpy()
+    pre = load_pretrained(workdir)
+    ours = pre.module().apply({"params": pre.params}, ids, mask, types)
+    np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, pre.params, params)

@@ -15,7 +15,8 @@ Sources:
   ViTForImageClassification.
 - Official vit_jax ``.npz`` files (ViT-B/16 … H/14, R50+ViT-B/16; with or without pre_logits;
   the ``opt/target/`` variant).
-- Folders written by ``save_checkpoint`` (model_config.json + params/).
+- Folders written by ``save_checkpoint`` (model_config.json + params/), and train.py workdirs
+  (the latest checkpoint's params), e.g. to export a fine-tuned model for transformers.
 
 The CLI ``python -m posjax.convert --from SRC --to DEST`` wraps these calls.
 """
@@ -25,7 +26,8 @@ import json
 import pathlib
 
 from posjax.convert import hf_deberta, hf_vit, vit_npz
-from posjax.convert.checkpoint import MODEL_CONFIG, load_checkpoint, save_checkpoint
+from posjax.convert.checkpoint import (MODEL_CONFIG, is_train_workdir, load_checkpoint,
+                                      load_train_workdir, save_checkpoint)
 from posjax.convert.destination import write_directory
 from posjax.convert.hf_common import read_config_json
 from posjax.convert.mapping import check_tree
@@ -55,8 +57,10 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
     path = pathlib.Path(path).expanduser()
     if path.is_file() and path.suffix == ".npz":
         pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"
-    elif path.is_dir() and (path / MODEL_CONFIG).is_file():
-        pre, default_method = load_checkpoint(path), "bilinear"
+    elif path.is_dir() and ((path / MODEL_CONFIG).is_file() or is_train_workdir(path)):
+        pre = load_checkpoint(path) if (path / MODEL_CONFIG).is_file() else \
+            load_train_workdir(path)
+        default_method = "bilinear"
         if task not in (None, pre.task):
             raise ValueError(f"{path}: holds a {pre.task!r} model; task={task!r} cannot be "
                              "derived from a posjax checkpoint")

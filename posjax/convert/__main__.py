@@ -1,7 +1,7 @@
 """Convert published weights into a posjax checkpoint, or a posjax checkpoint into an HF folder.
 
     python -m posjax.convert --from HF_FOLDER_or_NPZ --to OUT_DIR [--image-size N] [--task T]
-    python -m posjax.convert --from POSJAX_DIR --to HF_OUT --format hf
+    python -m posjax.convert --from POSJAX_DIR_or_TRAIN_WORKDIR --to HF_OUT --format hf
 
 OUT_DIR gets ``params/`` (orbax StandardCheckpointer of {'params': params}) and
 ``model_config.json``; ``config.init_from`` of the training configs starts from it. Nothing is
@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m posjax.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", required=True,
-                   help="Hugging Face folder, official vit_jax .npz, or posjax checkpoint folder")
+                   help="Hugging Face folder, official vit_jax .npz, posjax checkpoint folder "
+                        "or train.py workdir (its latest checkpoint)")
     p.add_argument("--to", dest="dest", required=True, help="output folder (must not exist)")
     p.add_argument("--format", choices=("posjax", "hf"), default="posjax",
                    help="posjax: orbax params + model_config.json (default); hf: config.json + "

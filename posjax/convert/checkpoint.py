@@ -1,9 +1,13 @@
-"""The posjax checkpoint the converter writes and ``config.init_from`` reads.
+"""The posjax checkpoint the converter writes and ``config.init_from`` reads, and the params of
+a train.py workdir (for export).
 
 Layout of OUT_DIR:
   params/             orbax ``StandardCheckpointer`` checkpoint of ``{'params': params}``
   model_config.json   ``{"kind": "text"|"vit", "task": "mlm"|"classification"|"encoder",
                         "config": {TextConfig/ViTConfig fields}}``
+
+A train.py workdir holds ``config.json`` (the run config: ``task``, ``model``) and
+``checkpoints/<step>/state`` (orbax StandardCheckpointer of the train state, ``params`` inside).
 """
 from __future__ import annotations
 
@@ -64,6 +68,12 @@ def load_checkpoint(folder: str | pathlib.Path) -> Pretrained:
     except Exception as e:   # orbax raises assorted errors for missing/corrupt data
         raise ValueError(f"{folder / PARAMS}: cannot restore the params checkpoint "
                          f"({type(e).__name__}: {e})") from e
+    return _checked(folder, kind, task, config, restored)
+
+
+def _checked(folder: pathlib.Path, kind: str, task: str, config: TextConfig | ViTConfig,
+             restored) -> Pretrained:
+    """Restored params as np.float32, verified against the model config."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), restored)
     num_labels = 0
     if kind == "text" and task == "classification":
@@ -74,3 +84,41 @@ def load_checkpoint(folder: str | pathlib.Path) -> Pretrained:
         num_labels = int(np.shape(bias)[0])
     check_tree(params, expected_params(kind, task, config, num_labels), str(folder))
     return Pretrained(config, params, kind, task)
+
+
+# train.py task name -> (kind, task); ViT's task follows its head.
+TRAIN_TASKS = {"image_classification": ("vit", ""), "mlm": ("text", "mlm"),
+               "glue": ("text", "classification")}
+
+
+def is_train_workdir(folder: pathlib.Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "checkpoints").is_dir()
+
+
+def load_train_workdir(folder: str | pathlib.Path) -> Pretrained:
+    """The params of the latest checkpoint of a train.py workdir, with its model config."""
+    folder = pathlib.Path(folder).expanduser().resolve()
+    try:
+        run = json.loads((folder / "config.json").read_text())
+        name, fields = run["task"], run["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder / 'config.json'}: not a train.py run config (needs task, "
+                         f"model): {e}") from e
+    if name not in TRAIN_TASKS:
+        raise ValueError(f"{folder / 'config.json'}: task={name!r} has no exportable model: "
+                         f"known tasks are {', '.join(TRAIN_TASKS)}")
+    steps = sorted(int(p.name) for p in (folder / "checkpoints").iterdir()
+                   if p.name.isdigit() and (p / "state").is_dir())
+    if not steps:
+        raise ValueError(f"{folder / 'checkpoints'}: no checkpoints/<step>/state to read")
+    state_dir = folder / "checkpoints" / str(steps[-1]) / "state"
+    kind, task = TRAIN_TASKS[name]
+    config = (TextConfig if kind == "text" else ViTConfig).from_dict(fields)
+    if kind == "vit":
+        task = "classification" if config.num_classes else "encoder"
+    try:
+        restored = ocp.StandardCheckpointer().restore(state_dir)["params"]
+    except Exception as e:   # orbax raises assorted errors for missing/corrupt data
+        raise ValueError(f"{state_dir}: cannot restore the train state ({type(e).__name__}: "
+                         f"{e})") from e
+    return _checked(folder, kind, task, config, restored)

@@ -16,6 +16,10 @@ Checkpoint layouts handled (names as in the files users download):
 - Classification: ``pooler.dense`` (ContextPooler, act = pooler_hidden_act) + ``classifier``.
 - ``mask_predictions.*`` (the v3 replaced-token-detection head) has no posjax module: dropped
   with a warning.
+
+Outputs match transformers except where posjax follows the official code on purpose: EMD for
+MLM (above), and v2 log buckets clamp i − j to ±(max_relative_positions − 1) first, which only
+matters for sequences longer than max_relative_positions (512 in the released models).
 """
 from __future__ import annotations
 
