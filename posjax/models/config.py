@@ -127,6 +127,9 @@ class TextConfig:
             _check(self.max_position_embeddings > 0, "use_emd", self.use_emd,
                    "EMD needs absolute positions: set max_position_embeddings > 0")
             _check(self.num_layers >= 2, "use_emd", self.use_emd, "EMD needs num_layers >= 2")
+            _check(self.input_embedding_size == self.hidden_size, "embedding_size",
+                   self.embedding_size, "EMD adds the raw position embeddings to hidden states: "
+                   f"use 0 or hidden_size={self.hidden_size} with use_emd=True")
         if self.conv_kernel_size:
             _check(self.position_scheme == "deberta_v2", "conv_kernel_size", self.conv_kernel_size,
                    "the convolution layer exists only for position_scheme='deberta_v2'")
