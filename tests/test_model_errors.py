@@ -1,0 +1,131 @@
+"""Bad model input fails with one ValueError naming the field, its value and what is allowed,
+when the config is built (or, for input shapes, when the call is traced), never as an XLA
+shape error.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from model_inputs import padded_text_batch, random_params
+from posjax import TextConfig, TextEncoder, TextForMaskedLM, ViT, ViTConfig
+
+TINY = dict(hidden_size=16, num_heads=2, num_layers=2, mlp_dim=32, vocab_size=20)
+TINY_VIT = dict(hidden_size=16, num_heads=2, num_layers=1, mlp_dim=32, num_classes=2)
+
+# (config class, fields, substrings the message must contain: field=value and the rule)
+BAD_CONFIGS = {
+    "unknown text scheme": (TextConfig, dict(position_scheme="rope"),
+                            ["position_scheme='rope'", "bert_abs", "deberta_v2"]),
+    "unknown vit scheme": (ViTConfig, dict(position_scheme="alibi"),
+                           ["position_scheme='alibi'", "vit", "tupe_r"]),
+    "hidden not divisible by heads": (TextConfig, dict(hidden_size=30, num_heads=4),
+                                      ["hidden_size=30", "divisible by num_heads=4"]),
+    "vit hidden not divisible by heads": (ViTConfig, dict(hidden_size=100, num_heads=12),
+                                          ["hidden_size=100", "num_heads=12"]),
+    "image not divisible by patch": (ViTConfig, dict(image_size=30, patch_size=16),
+                                     ["image_size=(30, 30)", "30", "patch_size 16"]),
+    "image width not divisible by patch": (ViTConfig, dict(image_size=(32, 40), patch_size=16),
+                                           ["image_size=(32, 40)", "side 40"]),
+    "image not divisible by the hybrid stem": (
+        ViTConfig, dict(image_size=72, patch_size=1, resnet_layers=(3, 4, 9)),
+        ["image_size=(72, 72)", "stem stride 16"]),
+    "EMD without absolute positions": (
+        TextConfig, dict(position_scheme="deberta", use_emd=True, position_biased_input=False,
+                         max_position_embeddings=0),
+        ["use_emd=True", "max_position_embeddings > 0"]),
+    "EMD outside DeBERTa": (TextConfig, dict(position_scheme="tupe_a", use_emd=True),
+                            ["use_emd=True", "deberta"]),
+    "EMD with factorised embeddings": (
+        TextConfig, dict(position_scheme="deberta_v2", use_emd=True, embedding_size=8),
+        ["embedding_size=8", "hidden_size=16"]),
+    "absolute scheme without a table": (TextConfig, dict(max_position_embeddings=0),
+                                        ["max_position_embeddings=0", "bert_abs"]),
+    "unknown DeBERTa position term": (TextConfig, dict(position_scheme="deberta",
+                                                       pos_att_type=("c2p", "p2p")),
+                                      ["pos_att_type=('c2p', 'p2p')", "c2p", "p2c"]),
+    "odd position buckets": (TextConfig, dict(position_scheme="deberta_v2", position_buckets=7),
+                             ["position_buckets=7", "even"]),
+    "position buckets beyond max_relative_positions": (
+        TextConfig, dict(position_scheme="deberta_v2", position_buckets=64,
+                         max_relative_positions=32),
+        ["position_buckets=64", "max_relative_positions=32"]),
+    "odd T5 buckets": (TextConfig, dict(position_scheme="tupe_r", relative_buckets=31),
+                       ["relative_buckets=31", "even"]),
+    "unknown gather": (TextConfig, dict(position_scheme="deberta", gather="scatter"),
+                       ["gather='scatter'", "take", "onehot", "shift"]),
+    "conv layer outside v2": (TextConfig, dict(position_scheme="deberta", conv_kernel_size=3),
+                              ["conv_kernel_size=3", "deberta_v2"]),
+    "even conv kernel": (TextConfig, dict(position_scheme="deberta_v2", conv_kernel_size=4),
+                         ["conv_kernel_size=4", "odd"]),
+    "DeBERTa on images with [CLS] pooling": (
+        ViTConfig, dict(position_scheme="deberta", pooling="token"),
+        ["pooling='token'", "gap", "map"]),
+    "dropout of one": (TextConfig, dict(dropout_rate=1.0), ["dropout_rate=1.0", "[0, 1)"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_config_raises_value_error_naming_field_value_and_rule(name):
+    cls, fields, expected = BAD_CONFIGS[name]
+    base = TINY_VIT if cls is ViTConfig else TINY
+    if cls is ViTConfig:
+        base = {**base, "image_size": 32, "patch_size": 16}
+    with pytest.raises(ValueError) as info:
+        cls(**{**base, **fields})
+    for text in expected:
+        assert text in str(info.value), f"{text!r} missing from: {info.value}"
+
+
+def test_unknown_config_field_is_named():
+    with pytest.raises(ValueError, match=r"unknown TextConfig field\(s\) \['hiden_size'\]"):
+        TextConfig.from_dict({"hiden_size": 16})
+
+
+# --- input shapes, checked when the call is traced -------------------------------------------
+
+TABLE_SCHEMES = {
+    "bert_abs": dict(position_scheme="bert_abs"),
+    "bert_rel": dict(position_scheme="bert_rel"),
+    "tupe_a": dict(position_scheme="tupe_a"),
+    "tupe_r": dict(position_scheme="tupe_r"),
+    "deberta position_biased_input": dict(position_scheme="deberta"),
+}
+
+
+@pytest.mark.parametrize("scheme", list(TABLE_SCHEMES))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_sequence_longer_than_the_absolute_table(scheme, jit):
+    cfg = TextConfig(**TINY, max_position_embeddings=16, **TABLE_SCHEMES[scheme])
+    model = TextEncoder(cfg)
+    params = random_params(model, **padded_text_batch((16,), 16, cfg.vocab_size))
+    too_long = padded_text_batch((20,), 20, cfg.vocab_size)
+    apply = jax.jit(model.apply) if jit else model.apply
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_position_embeddings=16"):
+        apply(params, **too_long)
+
+
+def test_emd_sequence_longer_than_the_absolute_table():
+    cfg = TextConfig(**TINY, position_scheme="deberta_v2", position_biased_input=False,
+                     use_emd=True, max_position_embeddings=16)
+    with pytest.raises(ValueError, match=r"sequence length 20 exceeds max_position_embeddings=16"):
+        random_params(TextForMaskedLM(cfg), **padded_text_batch((20,), 20, cfg.vocab_size))
+
+
+def test_relative_only_deberta_has_no_length_limit():
+    cfg = TextConfig(**TINY, position_scheme="deberta", position_biased_input=False,
+                     max_position_embeddings=0, max_relative_positions=4)
+    model = TextEncoder(cfg)
+    params = random_params(model, **padded_text_batch((16,), 16, cfg.vocab_size))
+    tokens = padded_text_batch((30,), 30, cfg.vocab_size)
+    out = jax.eval_shape(lambda p, t: model.apply(p, **t), params, tokens)
+    assert out.shape == (1, 30, 16)
+
+
+def test_images_of_the_wrong_size_are_named():
+    cfg = ViTConfig(**TINY_VIT, image_size=32, patch_size=16)
+    model = ViT(cfg)
+    params = random_params(model, np.zeros((1, 32, 32, 3), np.float32))
+    with pytest.raises(ValueError, match=r"images have shape \(48, 32, 3\).*image_size=\(32, 32\)"):
+        model.apply(params, np.zeros((1, 48, 32, 3), np.float32))

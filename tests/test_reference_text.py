@@ -1,0 +1,198 @@
+"""Text models against the float64 numpy reference (tests/reference.py): fp32 error <= 1e-5.
+
+Each case runs on a right-padded batch (one full row, two padded rows, one fully padded row).
+Every layer's hidden states are compared on real tokens and MLM / classification logits where
+they read real tokens; all outputs, pads and the fully padded row included, must be finite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+import reference as ref
+from model_inputs import max_abs_error, padded_text_batch, random_params
+from posjax import TextConfig, TextForMaskedLM, TextForSequenceClassification
+from posjax.layers import positions
+
+TOL = 1e-5
+VOCAB = 40
+SHORT = (24, 19, 5, 0)    # lengths per row: full, padded, short, fully padded (L = 24)
+LONG = (40, 33, 7, 0)     # L = 40: DeBERTa-v2 log buckets and clamping beyond max_position
+
+
+def text_config(scheme: str, **overrides) -> TextConfig:
+    fields = dict(position_scheme=scheme, vocab_size=VOCAB, hidden_size=32, num_heads=4,
+                  num_layers=2, mlp_dim=64, max_position_embeddings=24, dropout_rate=0.0,
+                  attention_dropout_rate=0.0)
+    return TextConfig(**{**fields, **overrides})
+
+
+def masked_positions(lengths: tuple[int, ...], count: int = 3, seed: int = 1) -> np.ndarray:
+    """(B, count) sorted distinct real-token positions per row (0..count-1 for an empty row)."""
+    rng = np.random.default_rng(seed)
+    return np.stack([np.sort(rng.choice(n, count, replace=False)) if n >= count
+                     else np.arange(count) for n in lengths]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(model_cls, cfg: TextConfig, max_len: int) -> dict:
+    # The gather method does not change parameters: cases differing only in it share them.
+    model = model_cls(dataclasses.replace(cfg, gather="take"))
+    batch = padded_text_batch((max_len,), max_len, cfg.vocab_size)
+    return random_params(model, **batch)
+
+
+def _assert_finite(tree) -> None:
+    for x in (tree if isinstance(tree, (list, tuple)) else [tree]):
+        assert np.all(np.isfinite(np.asarray(x))), "non-finite model output"
+
+
+def mlm_error(cfg: TextConfig, lengths: tuple[int, ...]) -> float:
+    """Max abs error of every layer (real tokens) and of the MLM logits at masked positions."""
+    max_len = lengths[0]
+    params = _params(TextForMaskedLM, cfg, max_len)
+    batch = padded_text_batch(lengths, max_len, cfg.vocab_size)
+    decode = masked_positions(lengths)
+
+    def layers_and_logits(m, input_ids, attention_mask, token_type_ids, masked_positions):
+        layers = m.encoder.hidden_states(input_ids, attention_mask, token_type_ids)[0]
+        return layers, m(input_ids, attention_mask, token_type_ids, masked_positions)
+
+    layers, logits = TextForMaskedLM(cfg).apply(params, **batch, masked_positions=decode,
+                                                method=layers_and_logits)
+    _assert_finite(layers)
+    _assert_finite(logits)
+    ref_layers, ref_logits = ref.masked_lm(
+        ref.to_float64(params["params"]), cfg, batch["input_ids"],
+        batch["attention_mask"].astype(bool), batch["token_type_ids"], decode)
+    real = batch["attention_mask"][..., None].astype(bool)
+    errors = [max_abs_error(a, b, real) for a, b in zip(layers, ref_layers)]
+    decoded_real = np.take_along_axis(batch["attention_mask"], decode, 1)[..., None].astype(bool)
+    errors.append(max_abs_error(logits, ref_logits, decoded_real))
+    return max(errors)
+
+
+def check(name: str, cfg: TextConfig, lengths: tuple[int, ...] = SHORT) -> None:
+    err = mlm_error(cfg, lengths)
+    print(f"[reference] {name}: max abs error {err:.2e}")
+    assert err <= TOL, f"{name}: max abs error {err:.3e} > {TOL}"
+
+
+# --- bucketing helpers, exhaustively ---------------------------------------------------------
+
+def test_reference_buckets_match_hand_computed_values():
+    # T5, 32 buckets / 128: exact below 8, then 8 + floor(8·log(n/8)/log 16); keys after: +16.
+    rel = np.array([0, -1, -7, -8, -12, -127, -500, 1, 12, 500])
+    np.testing.assert_array_equal(ref.t5_bucket(rel, 32, 128),
+                                  [0, 1, 7, 8, 9, 15, 15, 17, 25, 31])
+    # DeBERTa-v2, 8 buckets / max 32: mid 4; 5 -> 4 + ceil(3·log(5/4)/log(31/4)) = 5, …
+    r = np.array([0, 4, -4, 5, 10, 31, 39, -39])
+    np.testing.assert_array_equal(ref.deberta_log_bucket(r, 8, 32), [0, 4, -4, 5, 6, 7, 7, -7])
+
+
+@pytest.mark.parametrize("buckets,max_distance", [(32, 128), (16, 20), (8, 8), (6, 40)])
+def test_t5_buckets_match_reference(buckets, max_distance):
+    rel = np.arange(-300, 301)
+    np.testing.assert_array_equal(positions.t5_relative_bucket(rel, buckets, max_distance),
+                                  ref.t5_bucket(rel, buckets, max_distance))
+
+
+@pytest.mark.parametrize("span,buckets,max_position", [(8, 0, 8), (32, 0, 32), (8, 8, 32),
+                                                       (256, 256, 512), (16, 16, 20)])
+def test_deberta_index_matches_reference(span, buckets, max_position):
+    q = np.arange(0, 700, 7)
+    k = np.arange(0, 600, 3)
+    np.testing.assert_array_equal(
+        positions.deberta_relative_index(q, k, span, buckets, max_position),
+        ref.deberta_index(q[None], k, span, buckets, max_position)[0])
+
+
+# --- BERT-A/R and TUPE-A/R ---------------------------------------------------------------------
+
+BERT_TUPE = {
+    "bert_abs": text_config("bert_abs"),
+    "bert_rel": text_config("bert_rel", relative_buckets=16, relative_max_distance=20),
+    "tupe_a": text_config("tupe_a"),
+    "tupe_a/tie_cls": text_config("tupe_a", tie_cls=True),
+    "tupe_r": text_config("tupe_r", relative_buckets=16, relative_max_distance=20),
+    "tupe_r/tie_cls": text_config("tupe_r", tie_cls=True),
+    "tupe_r/embedding_size": text_config("tupe_r", embedding_size=16, hidden_act="gelu_tanh"),
+}
+
+
+@pytest.mark.parametrize("name", list(BERT_TUPE))
+def test_bert_tupe_match_reference(name):
+    check(name, BERT_TUPE[name])
+
+
+# --- DeBERTa v1 ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gather", ["take", "onehot", "shift"])
+@pytest.mark.parametrize("pos_att_type", [("c2p",), ("p2c",), ("c2p", "p2c")])
+def test_deberta_v1_clamped_matches_reference(pos_att_type, gather):
+    # k = 8 < L = 24: relative distances beyond ±8 are clamped to the table ends.
+    cfg = text_config("deberta", max_relative_positions=8, pos_att_type=pos_att_type,
+                      gather=gather, type_vocab_size=0)
+    check(f"deberta v1 k=8 {'+'.join(pos_att_type)} {gather}", cfg)
+
+
+@pytest.mark.parametrize("gather", ["take", "onehot", "shift"])
+def test_deberta_v1_wide_span_matches_reference(gather):
+    # k = 32 > L = 24: only the centre 2L rows of the table are used.
+    cfg = text_config("deberta", max_relative_positions=32, gather=gather,
+                      position_biased_input=False, max_position_embeddings=0)
+    check(f"deberta v1 k=32 c2p+p2c {gather}", cfg)
+
+
+def test_deberta_v1_emd_matches_reference():
+    cfg = text_config("deberta", max_relative_positions=8, position_biased_input=False,
+                      use_emd=True, num_layers=3)
+    check("deberta v1 EMD", cfg)
+
+
+# --- DeBERTa v2 (L = 40) -------------------------------------------------------------------------
+
+V2 = dict(position_buckets=8, max_relative_positions=32, max_position_embeddings=40)
+DEBERTA_V2 = {
+    "v2 log-buckets separate-keys take": dict(**V2, position_biased_input=False),
+    "v2 log-buckets share_att_key norm_rel_ebd shift EMD": dict(
+        **V2, share_att_key=True, norm_rel_ebd=True, gather="shift", use_emd=True,
+        position_biased_input=False),
+    "v2 conv position_biased_input embedding_size onehot": dict(
+        **V2, share_att_key=True, conv_kernel_size=3, conv_groups=2, embedding_size=16,
+        gather="onehot"),
+    "v2 no-buckets k=16 p2c shift": dict(
+        max_relative_positions=16, max_position_embeddings=0, position_biased_input=False,
+        pos_att_type=("p2c",), gather="shift"),
+    "v2 log-buckets c2p onehot norm_rel_ebd": dict(
+        **V2, pos_att_type=("c2p",), norm_rel_ebd=True, gather="onehot"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEBERTA_V2))
+def test_deberta_v2_matches_reference(name):
+    check(f"deberta {name}", text_config("deberta_v2", **DEBERTA_V2[name]), LONG)
+
+
+# --- classification head -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [text_config("tupe_r", pooler_act="tanh"),
+                                 text_config("deberta_v2", position_buckets=8,
+                                             max_relative_positions=32, pooler_act="gelu")],
+                         ids=["tupe_r", "deberta_v2"])
+def test_classification_head_matches_reference(cfg):
+    params = _params(TextForSequenceClassification, cfg, SHORT[0])
+    batch = padded_text_batch(SHORT, SHORT[0], VOCAB)
+    logits = TextForSequenceClassification(cfg).apply(params, **batch)
+    _assert_finite(logits)
+    expected = ref.sequence_classification(ref.to_float64(params["params"]), cfg,
+                                           batch["input_ids"],
+                                           batch["attention_mask"].astype(bool),
+                                           batch["token_type_ids"])
+    has_tokens = (np.asarray(SHORT) > 0)[:, None]
+    err = max_abs_error(logits, expected, has_tokens)
+    print(f"[reference] classification {cfg.position_scheme}: max abs error {err:.2e}")
+    assert err <= TOL
