@@ -79,7 +79,7 @@ def test_two_processes_equal_one_process(tmp_path):
     assert abs(eval_multi["accuracy"] - reference.eval["accuracy"]) < 1e-9
     for a, b in zip(jax.tree.leaves(_final_params(config, multi)),
                     jax.tree.leaves(_final_params(config, single))):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-4)   # Adam: ~lr·sign(g) for g ≈ 0
     # Each process saved its own input-iterator state.
     assert sorted(p.name for p in (multi / "checkpoints" / "6" / "data_iter").glob("process_*")
                   ) == ["process_0-of-2.json", "process_1-of-2.json"]

@@ -427,12 +427,13 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
     scalars = accumulator.result()
     steps_per_s, _ = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size
-    scalars.update({
-        "lr": float(run.schedule(step - 1)),
-        "steps_per_s": steps_per_s,
-        "examples_per_s": examples_per_s,
-        "mfu": flops_per_example * examples_per_s / (peak * jax.device_count()),
-    })
+    scalars["lr"] = float(run.schedule(step - 1))
+    if np.isfinite(steps_per_s):   # not on the first log after (re)compilation
+        scalars.update({
+            "steps_per_s": steps_per_s,
+            "examples_per_s": examples_per_s,
+            "mfu": flops_per_example * examples_per_s / (peak * jax.device_count()),
+        })
     writer.write(step, "train", scalars)
     _print(run, progress.line(step, scalars, steps_per_s))
 
