@@ -330,3 +330,21 @@ def test_pytorch_bin_checkpoint(tmp_path):
     assert a.config == b.config
     jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
     assert flatten(a.params)  # non-empty
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_safetensors(dtype, tmp_path):
+    """fp16/bf16 checkpoints (common on the hub) load as the float32 of their stored values."""
+    import ml_dtypes
+    half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    model = hf_vit("ViTModel", dict(image_size=16, patch_size=8), seed=2)
+    model.save_pretrained(tmp_path / "f32")
+    tensors = load_file(tmp_path / "f32" / "model.safetensors")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text(
+        (tmp_path / "f32" / "config.json").read_text())
+    save_file({k: v.astype(half) for k, v in tensors.items()},
+              tmp_path / "half" / "model.safetensors")
+    full, low = load_pretrained(tmp_path / "f32"), load_pretrained(tmp_path / "half")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.astype(half).astype(np.float32), b),
+                 full.params, low.params)

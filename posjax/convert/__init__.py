@@ -54,6 +54,8 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
+    if resample is not None and image_size is None:
+        raise ValueError(f"resample={resample!r} needs image_size (the target resolution)")
     path = pathlib.Path(path).expanduser()
     if path.is_file() and path.suffix == ".npz":
         pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"

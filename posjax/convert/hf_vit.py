@@ -98,17 +98,17 @@ def _pair(v: Any) -> tuple[int, int]:
 def export_vit(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Pretrained ViT -> (HF config.json dict, HF-named tensors)."""
     cfg = pre.config
-    problems = [(f, v, why) for f, v, why in (
-        ("position_scheme", cfg.position_scheme, "HF ViT has only the learned table ('vit')"),
-        ("pooling", cfg.pooling, "HF ViT pools the [CLS] token only ('token')"),
-        ("resnet_layers", cfg.resnet_layers, "HF ViT has no hybrid ResNet stem (())"))
-        if v != {"position_scheme": "vit", "pooling": "token", "resnet_layers": ()}[f]]
+    required = {"position_scheme": ("vit", "HF ViT has only the learned position table"),
+                "pooling": ("token", "HF ViT pools the [CLS] token only"),
+                "resnet_layers": ((), "HF ViT has no hybrid ResNet stem")}
+    for field, (allowed, why) in required.items():
+        if getattr(cfg, field) != allowed:
+            raise ValueError(f"cannot export to Hugging Face ViT: {field}="
+                             f"{getattr(cfg, field)!r}; {why} (needs {allowed!r})")
     if cfg.representation_size and cfg.num_classes:
-        problems.append(("representation_size", cfg.representation_size,
-                         "HF ViTForImageClassification has no pre-logits layer (0)"))
-    if problems:
-        f, v, why = problems[0]
-        raise ValueError(f"cannot export to Hugging Face ViT: {f}={v!r}; {why}")
+        raise ValueError(f"cannot export to Hugging Face ViT: representation_size="
+                         f"{cfg.representation_size} with a head; ViTForImageClassification has "
+                         "no pre-logits layer (needs 0)")
     arch = "ViTForImageClassification" if cfg.num_classes else "ViTModel"
     square = lambda s: s[0] if s[0] == s[1] else list(s)   # noqa: E731
     out = {"model_type": "vit", "architectures": [arch], "hidden_size": cfg.hidden_size,

@@ -75,8 +75,9 @@ class Pretrained:
     @property
     def num_labels(self) -> int:
         """Classifier outputs (text classification; 0 otherwise)."""
-        if self.kind == "text" and self.task == "classification":
-            return int(np.shape(self.params["classifier"]["bias"])[0])
+        bias = self.params.get("classifier", {}).get("bias")
+        if self.kind == "text" and self.task == "classification" and bias is not None:
+            return int(np.shape(bias)[0])
         return 0
 
     def module(self) -> nn.Module:
