@@ -31,6 +31,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
         self._preempted = False
+        self._previous_handler = None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -67,6 +68,9 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
 
     # -- preemption ---------------------------------------------------------------------------
 
@@ -77,7 +81,7 @@ class Checkpointer:
             def on_sigterm(signum, frame):
                 logging.warning("SIGTERM: will save a checkpoint after the current step and exit")
                 self._preempted = True
-            signal.signal(signal.SIGTERM, on_sigterm)
+            self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
 
     def reached_preemption(self, step: int) -> bool:
         """True once every process should save ``step`` and stop."""

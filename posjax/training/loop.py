@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pathlib
-import time
-from typing import Any, Iterator
+import tempfile
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -162,14 +161,18 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
     """Writable, and not holding another config's run."""
-    if workdir.exists() and not workdir.is_dir():
-        raise ValueError(f"workdir {str(workdir)!r} is a file: give a directory")
-    probe_dir = workdir
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(probe_dir)!r} denies "
-                         "writing): choose a directory you can write to")
+    existing = workdir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"workdir {str(workdir)!r}: {str(existing)!r} is a file, not a "
+                         "directory; choose another --workdir")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
+                         f"{e.strerror}); choose a directory you can write to") from None
     saved = workdir / CONFIG_FILE
     if saved.exists():
         diffs = config_differences(json.loads(saved.read_text()), config_dict(config))

@@ -1,0 +1,135 @@
+"""Train, stop, resume: bit-identical to the uninterrupted run; the resumed run sees the same next
+batch; a checkpoint restores onto another mesh and device count; init_from loads converter
+output (matching by path, new heads keep their init)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from posjax.training import checkpoint as ckpt_lib
+from posjax.training import loop
+from posjax.training import mesh as mesh_lib
+from posjax.training import state as state_lib
+from posjax.training.tasks import make_task
+
+import test_training_synthetic as syn
+
+
+def _restore(config, workdir, step, devices=None, mesh_cfg=None):
+    """State at ``step`` restored onto ``mesh_cfg`` over ``devices`` (default: the config's)."""
+    task = make_task(config)
+    model = task.build_model()
+    run = loop.prepare(config, workdir, training=False)
+    mesh = mesh_lib.build_mesh(mesh_cfg or config.mesh, devices)
+    abstract, _ = state_lib.abstract_state(task, model, run.tx, mesh, config.seed)
+    checkpointer = ckpt_lib.Checkpointer(workdir, 1, 0, create=False)
+    state = checkpointer.restore(step, abstract)
+    checkpointer.close()
+    return state
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(config, uninterrupted workdir, interrupted-and-resumed workdir, stop result)."""
+    root = tmp_path_factory.mktemp("resume")
+    config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2})
+    loop.train(config, root / "straight")
+    stopped = loop.train(config, root / "resumed", stop_after=3)
+    loop.train(config, root / "resumed")
+    return config, root / "straight", root / "resumed", stopped
+
+
+def test_resumed_run_is_bit_identical(runs):
+    config, straight, resumed, stopped = runs
+    assert stopped.preempted and stopped.step == 3 and stopped.eval == {}
+    a = _restore(config, straight, 6)
+    b = _restore(config, resumed, 6)
+    assert int(a.step) == int(b.step) == 6
+    for x, y in zip(jax.tree.leaves((a.params, a.opt_state)),
+                    jax.tree.leaves((b.params, b.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Same per-step losses, each step logged once, same final eval.
+    def records(workdir):
+        return [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_a = [(r["step"], r["loss"]) for r in records(straight) if r["split"] == "train"]
+    train_b = [(r["step"], r["loss"]) for r in records(resumed) if r["split"] == "train"]
+    assert train_a == train_b and [s for s, _ in train_a] == list(range(1, 7))
+    assert loop.eval_file(straight, 6).read_text() == loop.eval_file(resumed, 6).read_text()
+    assert (resumed / "loss_curve.png").stat().st_size > 0
+
+
+def test_resumed_iterator_yields_the_next_batch(runs):
+    config, _, resumed, _ = runs
+    task = make_task(config)
+    fresh = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
+    expected = [next(fresh) for _ in range(4)][-1]   # the 4th batch: first after step 3
+    iterator = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
+    run = loop.prepare(config, resumed, training=False)
+    checkpointer = ckpt_lib.Checkpointer(resumed, 1, 0, create=False)
+    checkpointer.restore(3, run.abstract, iterator)
+    checkpointer.close()
+    got = next(iterator)
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k])
+
+
+def test_restore_onto_another_mesh_and_device_count(runs):
+    config, straight, _, _ = runs
+    a = _restore(config, straight, 6)                                   # 8 devices, data x fsdp
+    b = _restore(config, straight, 6, jax.devices()[:4], {"fsdp": 2, "tensor": 2})
+    kernel = b.params["encoder"]["layer_0"]["attention"]["query"]["kernel"]
+    assert len(kernel.sharding.device_set) == 4
+    assert kernel.sharding.shard_shape(kernel.shape) == (8, 1, 8)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eval_reproduces_the_training_eval(runs):
+    config, straight, _, _ = runs
+    result = loop.evaluate(config, straight)
+    written = json.loads(loop.eval_file(straight, 6).read_text())
+    assert result == written and written["num_examples"] == 40
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        loop.evaluate(config, straight, step=5)
+
+
+def test_init_from_converter_checkpoint(tmp_path):
+    """Params saved as the converter does (StandardCheckpointer of {'params': tree} plus
+    model_config.json) are loaded by path; a head with another num_classes and a position
+    table for another grid are handled (kept / resampled)."""
+    source = syn.tiny_config(**{"model.num_classes": 6, "model.image_size": 16,
+                                "model.patch_size": 4})
+    task = make_task(source)
+    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
+                                             task.dummy_batch(2)))
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.5, __import__("flax").linen.unbox(params))
+    export = tmp_path / "export"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(export / "params", {"params": params})
+    (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
+
+    config = syn.tiny_config(**{"init_from": str(export)})
+    run = loop.prepare(config, tmp_path / "run", training=True)
+    state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
+    fresh = jax.tree.map(np.asarray, state.params)
+    loaded = state_lib.load_init_from(state, str(export), run.shardings).params
+    q = ("encoder", "layer_0", "attention", "query", "kernel")
+    np.testing.assert_array_equal(_get(loaded, q), _get(params, q))
+    np.testing.assert_array_equal(loaded["head"]["kernel"], fresh["head"]["kernel"])  # 6 vs 4
+    # 4x4 grid -> 2x2 grid: the [CLS] row kept, the grid rows resampled (not the fresh init).
+    pos = np.asarray(loaded["pos_embedding"])
+    assert pos.shape == (1, 5, 16)
+    np.testing.assert_array_equal(pos[0, 0], params["pos_embedding"][0, 0])
+    grid = params["pos_embedding"][0, 1:].reshape(4, 4, 16)
+    np.testing.assert_allclose(pos[0, 1], grid[0, 0], atol=1e-6)     # corner-aligned (order 1)
+    np.testing.assert_allclose(pos[0, 4], grid[3, 3], atol=1e-6)
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return np.asarray(tree)
