@@ -1,0 +1,230 @@
+"""Pieces of the training system: FLOP count, optimizer, mesh/batch/workdir validation, metrics."""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax.models.config import ViTConfig
+from posjax.models.vit import ViT
+from posjax.training import flops, loop, metrics, optim
+from posjax.training import mesh as mesh_lib
+
+import test_training_synthetic as syn
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def _matmul_flops(jaxpr) -> float:
+    """2·MACs of every dot_general and convolution in a jaxpr (recursing into sub-jaxprs)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            batch = math.prod(lhs[i] for i in lb)
+            contract = math.prod(lhs[i] for i in lc)
+            free_l = math.prod(s for i, s in enumerate(lhs) if i not in lc and i not in lb)
+            free_r = math.prod(s for i, s in enumerate(rhs) if i not in rc and i not in rb)
+            total += 2.0 * batch * contract * free_l * free_r
+        elif name == "conv_general_dilated":
+            out = eqn.outvars[0].aval.shape
+            kernel = eqn.invars[1].aval.shape            # HWIO as Flax lays it out
+            total += 2.0 * math.prod(out) * math.prod(kernel[:-1])
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                    total += _matmul_flops(sub.jaxpr)
+                elif hasattr(sub, "eqns"):
+                    total += _matmul_flops(sub)
+    return total
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"pooling": "map", "representation_size": 24},
+    {"position_scheme": "tupe_r", "pooling": "gap"},
+    {"position_scheme": "deberta", "pooling": "gap"},
+    {"resnet_layers": (1, 1), "patch_size": 1, "image_size": 32},
+], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid"])
+def test_analytic_flops_equal_the_traced_matmuls(overrides):
+    cfg = ViTConfig(**{"image_size": 16, "patch_size": 4, "num_channels": 3, "hidden_size": 32,
+                       "num_heads": 4, "num_layers": 2, "mlp_dim": 64, "num_classes": 7,
+                       "resnet_width": 32, **overrides})
+    model = ViT(cfg)
+    images = jnp.zeros((1, *cfg.image_size, 3))
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), images)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, images))(params)
+    assert flops.vit_forward_flops(cfg) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
+    assert flops.vit_train_flops(cfg) == 3 * flops.vit_forward_flops(cfg)
+
+
+def test_vit_b16_flops_match_the_published_count():
+    # ViT-B/16 at 224: 17.6 GMACs forward (e.g. timm / fvcore tables).
+    cfg = ViTConfig()
+    assert flops.vit_forward_flops(cfg) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def _opt(**kw):
+    return {**loop.default_config().optimizer.to_dict(), **kw}
+
+
+def test_schedule_warmup_then_cosine_and_linear():
+    s = optim.learning_rate_schedule(_opt(learning_rate=1.0, warmup_steps=10,
+                                          schedule="cosine", end_learning_rate=0.1), 110)
+    assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
+    assert float(s(10)) == pytest.approx(1.0)
+    assert float(s(60)) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-6)
+    assert float(s(110)) == pytest.approx(0.1, abs=1e-6)
+    lin = optim.learning_rate_schedule(_opt(learning_rate=2.0, schedule="linear"), 100)
+    assert float(lin(50)) == pytest.approx(1.0)
+
+
+def test_weight_decay_skips_biases_and_norms():
+    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+              "norm": {"scale": jnp.ones(2), "bias": jnp.ones(2)}, "pos_embedding": jnp.ones(3)}
+    mask = optim.decay_mask(params)
+    assert mask == {"dense": {"kernel": True, "bias": False},
+                    "norm": {"scale": False, "bias": False}, "pos_embedding": True}
+    tx, _ = optim.make_optimizer(_opt(name="adamw", learning_rate=0.1, weight_decay=0.5,
+                                      schedule="constant"), 10)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, tx.init(params), params)
+    assert float(updates["dense"]["kernel"][0, 0]) == pytest.approx(-0.1 * 0.5)
+    assert float(updates["dense"]["bias"][0]) == 0.0 and float(updates["norm"]["scale"][0]) == 0
+
+
+def test_sgd_momentum_and_clipping():
+    tx, _ = optim.make_optimizer(_opt(name="sgd", learning_rate=1.0, momentum=0.9,
+                                      schedule="constant", grad_clip_norm=1.0), 10)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([3.0, 4.0])}     # norm 5 -> clipped to norm 1
+    u1, state = tx.update(grads, state, params)
+    u2, _ = tx.update(grads, state, params)
+    np.testing.assert_allclose(u1["w"], [-0.6, -0.8], rtol=1e-6)
+    np.testing.assert_allclose(u2["w"], [-0.6 * 1.9, -0.8 * 1.9], rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("name", "lamb", "optimizer.name='lamb'"),
+    ("warmup_steps", 10, "optimizer.warmup_steps=10"),
+    ("learning_rate", 0.0, "optimizer.learning_rate=0.0"),
+])
+def test_bad_optimizer_config(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        optim.validate(_opt(**{field: value}), 10)
+
+
+# ----------------------------------------------------------------------------- mesh & batch
+
+
+def test_mesh_shape_resolution_and_errors():
+    assert mesh_lib.mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8) == (4, 2, 1)
+    with pytest.raises(ValueError, match="needs 4 devices but 8 are present"):
+        mesh_lib.mesh_shape({"data": 2, "fsdp": 2, "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="does not divide 8"):
+        mesh_lib.mesh_shape({"data": -1, "fsdp": 3, "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="unknown axes"):
+        mesh_lib.mesh_shape({"pipeline": 2}, 8)
+    mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_shardings_drop_axes_that_do_not_divide():
+    mesh = mesh_lib.build_mesh({"fsdp": 2, "tensor": 4})
+    spec = mesh_lib._fit_spec(jax.sharding.PartitionSpec("fsdp", "tensor"), (16, 10), mesh, "x")
+    assert spec == jax.sharding.PartitionSpec("fsdp", None)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"mesh.data": 3}, "needs 3 devices but 8 are present"),
+    ({"batch_size": 12}, "batch_size=12 is not divisible"),
+    ({"microbatches": 3}, "microbatches=3"),
+    ({"eval_batch_size": 4}, "eval_batch_size=4 is not divisible"),
+    ({"model.num_heads": 3}, "hidden_size=16"),
+    ({"model.colour": 1}, "unknown ViTConfig field"),
+    ({"task": "translation"}, "config.task='translation'"),
+    ({"init_from": "/nonexistent/export"}, "init_from='/nonexistent/export'"),
+])
+def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, match):
+    config = syn.tiny_config()
+    with config.unlocked():
+        config.update_from_flattened_dict(overrides)
+    with pytest.raises(ValueError, match=match):
+        loop.train(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
+def test_missing_dataset_path_is_refused(tmp_path):
+    from posjax.data import default_data_config
+    config = loop.default_config()
+    config.data = default_data_config("mnist")
+    config.data.path = str(tmp_path / "no_mnist_here")
+    config.model = dict(image_size=28, patch_size=7, num_channels=1, hidden_size=16,
+                        num_heads=2, num_layers=1, mlp_dim=32, num_classes=10)
+    with pytest.raises(ValueError, match="data.path="):
+        loop.train(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
+def test_workdir_checks(tmp_path):
+    config = syn.tiny_config()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        loop.train(config, a_file / "run")
+    with pytest.raises(ValueError, match="not writable"):
+        loop.train(config, "/proc/posjax_run")
+    # A workdir with another config's run is refused and left as it was.
+    workdir = tmp_path / "other"
+    workdir.mkdir()
+    other = syn.tiny_config(**{"model.hidden_size": 32, "num_steps": 9, "mesh.data": 2})
+    saved = json.dumps(loop.config_dict(other))
+    (workdir / loop.CONFIG_FILE).write_text(saved)
+    with pytest.raises(ValueError, match=r"another config(.|\n)*model.hidden_size: 32 -> 16"
+                                         r"(.|\n)*num_steps: 9 -> 6"):
+        loop.train(config, workdir)
+    assert (workdir / loop.CONFIG_FILE).read_text() == saved
+    assert sorted(p.name for p in workdir.iterdir()) == [loop.CONFIG_FILE]
+
+
+def test_operational_keys_may_change_on_resume():
+    a = loop.config_dict(syn.tiny_config())
+    b = loop.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
+                                            "log_every_steps": 3}))
+    assert loop.config_differences(a, b) == []
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metric_accumulator_weights():
+    acc = metrics.MetricAccumulator()
+    acc.add({"loss": (jnp.float32(6.0), jnp.float32(3.0)), "grad_norm": jnp.float32(1.0)})
+    acc.add({"loss": (jnp.float32(2.0), jnp.float32(1.0)), "grad_norm": jnp.float32(3.0)})
+    assert acc.result() == {"loss": 2.0, "grad_norm": 2.0}
+
+
+def test_jsonl_drops_records_after_the_resume_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
+                            for s in (1, 2, 3, 4)))
+    metrics.drop_after(path, 2)
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
+
+
+def test_peak_flops_sources():
+    assert metrics.peak_flops_per_device(5e12) == (5e12, "config.peak_flops")
+    value, source = metrics.peak_flops_per_device()
+    assert value > 1e8 and source.startswith("measured")   # CPU: not in the table
