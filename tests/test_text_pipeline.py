@@ -198,3 +198,31 @@ def test_bad_config(wikitext_cfg, tmp_path):
     source = text.TextFileSource([str(bad)])
     with pytest.raises(ValueError, match="not valid UTF-8"):
         source[0]
+
+
+def test_tfds_corpus(wikitext_cfg):
+    """A TFDS text dataset by name (mocked wikipedia, array_record via tfds.data_source)."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets.text.wikipedia  # noqa: F401  (registers the builder for mocking)
+
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.update(source="tfds", tfds_name="wikipedia/20230601.en", train_split="train",
+               test_split="train", text_key="text", unk_marker="")
+    with tfds.testing.mock_data(num_examples=24):
+        train = text.make_mlm_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)
+        batch = next(train.iterator)
+        assert batch["input_ids"].shape == (4, 64) and batch["masked_weights"].sum() > 0
+        evaluation = text.make_mlm_pipeline(cfg, split="test", batch_size=4, seed=0,
+                                            train=False)
+        # 24 short documents pack into a few sequences, each ending with [SEP]
+        assert 0 < evaluation.num_examples < 24
+        batches = list(evaluation.iterator)
+        assert len(batches) == evaluation.num_batches
+        seps = sum(int(((b["input_ids"] == 102) & b["mask"][:, None]).sum()) for b in batches)
+        assert seps == 24
+        cfg.text_key = "body"
+        with pytest.raises(ValueError, match="data.text_key='body' is not a feature"):
+            text.make_mlm_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)
+    cfg.update(tfds_name="wikipedia/20230601.en", data_dir="/nonexistent", text_key="text")
+    with pytest.raises(ValueError, match="(?s)could not be opened.*tfds build"):
+        text.make_mlm_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)

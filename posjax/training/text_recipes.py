@@ -30,6 +30,8 @@ SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data"
 BERT_VOCAB = SHARED_DATA / "bert-base-uncased-vocab" / "vocab.txt"
 WIKITEXT2_VALID = SHARED_DATA / "wikitext-2" / "valid.txt"
+TINY_POSITIONS = 128        # tiny models: position tables (and DeBERTa span) of 128 tokens
+TINY_GLUE_MAX_STEPS = 600   # tiny GLUE: at most 600 steps (~15 min on 2 shared CPU cores)
 GLUE_TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749,
                     "mnli": 392702, "qnli": 104743, "rte": 2490, "wnli": 635}
 
@@ -65,7 +67,8 @@ def _parse(variant: str, allowed: tuple[str, ...]) -> str:
 
 def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
     """MLM pretraining: ``''`` paper scale, seq 128 (TFDS wikipedia); ``'seq512'`` the same at
-    512 tokens; ``'tiny'`` a 4×128 model on WikiText-2 valid with the BERT vocabulary (CPU)."""
+    512 tokens; ``'tiny'`` a 4×128 model on WikiText-2 valid (95% train, 5% eval) with the BERT
+    vocabulary, 1000 steps of 32 × 128 tokens (CPU)."""
     _parse(variant, ("", "seq512", "tiny"))
     config = default_config()
     config.task = "mlm"
@@ -75,15 +78,15 @@ def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
         data.update(source="text_files", text_files={"valid": str(WIKITEXT2_VALID)},
                     train_split="valid[:95%]", test_split="valid[95%:]",
                     tokenizer=str(BERT_VOCAB), unk_marker="<unk>", max_seq_length=length)
-        config.model = text_model(scheme, "tiny", length)
-        config.num_steps = 3000
+        config.model = text_model(scheme, "tiny", TINY_POSITIONS)
+        config.num_steps = 1000
         config.batch_size = 32
-        config.log_every_steps = 100
-        config.eval_every_steps = 1000
+        config.log_every_steps = 50
+        config.eval_every_steps = 250
         config.optimizer.update(name="adamw", learning_rate=1e-3, schedule="linear",
-                                warmup_steps=300, b1=0.9, b2=0.999, eps=1e-6,
+                                warmup_steps=100, b1=0.9, b2=0.999, eps=1e-6,
                                 weight_decay=0.01, grad_clip_norm=1.0)
-        config.checkpoint.every_steps = 1000
+        config.checkpoint.every_steps = 250
     else:
         length = 512 if variant == "seq512" else 128
         data.update(source="tfds", tfds_name="wikipedia/20230601.en", text_key="text",
@@ -108,7 +111,8 @@ def glue_config(variant: str, size: str) -> ml_collections.ConfigDict:
     """GLUE fine-tuning; ``variant`` = ``task`` or ``task,scheme`` (default scheme tupe_r).
 
     ``size='base'``: the paper-scale model and recipe, TFDS ``glue/<task>``;
-    ``size='tiny'``: the tiny MLM model, the GLUE download layout in ../shared/data/glue.
+    ``size='tiny'``: the tiny MLM model, the GLUE download layout in ../shared/data/glue,
+    3 epochs capped at 600 steps, sequences of 64 tokens (single sentences) or 128 (pairs).
     Set ``init_from`` to the pretrained encoder (see RESULTS.md for the commands).
     """
     task, _, scheme = variant.partition(",")
@@ -124,13 +128,14 @@ def glue_config(variant: str, size: str) -> ml_collections.ConfigDict:
     if size == "tiny":   # single sentences fit 64 tokens (SST-2: 4 of 67k cut), pairs 128
         length = 64 if len(GLUE_TASKS[task].tsv_text) == 1 else 128
         data.update(glue_dir=str(SHARED_DATA / "glue"), max_seq_length=length)
-        config.model = text_model(scheme, "tiny", length)
-        epochs, lr = 3, 5e-4
+        config.model = text_model(scheme, "tiny", TINY_POSITIONS)
+        epochs, lr, max_steps = 3, 5e-4, TINY_GLUE_MAX_STEPS
     else:
-        data.max_seq_length = length = 128
+        data.max_seq_length = 128
         config.model = text_model(scheme, "base", 512)
-        epochs, lr = 3, 2e-5
+        epochs, lr, max_steps = 3, 2e-5, None
     steps = math.ceil(epochs * GLUE_TRAIN_SIZES[task] / batch)
+    steps = min(steps, max_steps or steps)
     config.num_steps = steps
     config.batch_size = batch
     config.eval_batch_size = 64
