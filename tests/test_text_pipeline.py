@@ -1,4 +1,5 @@
 """MLM input: document spans, packing that respects documents, 80/10/10 masking, resumption."""
+import io
 import json
 
 import grain
@@ -26,9 +27,9 @@ def pack(docs, length):
 
 def test_document_spans():
     data = b"a b\nc\n  \n\nd e\n \nf"
-    spans = text.document_spans(data, "blank_line")
+    spans = text.document_spans(io.BytesIO(data), "blank_line")
     assert [data[s:e].split() for s, e in spans] == [[b"a", b"b", b"c"], [b"d", b"e"], [b"f"]]
-    spans = text.document_spans(data, "line")
+    spans = text.document_spans(io.BytesIO(data), "line")
     assert [data[s:e].strip() for s, e in spans] == [b"a b", b"c", b"d e", b"f"]
 
 

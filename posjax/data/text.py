@@ -67,7 +67,7 @@ import glob
 import math
 import os
 import pathlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import grain
 import ml_collections
@@ -195,15 +195,15 @@ def expand_files(spec: str) -> list[str]:
     return files
 
 
-def document_spans(data: bytes, boundary: str) -> np.ndarray:
-    """Byte spans (D, 2) [start, end) of the documents in one file's bytes.
+def document_spans(lines: Iterable[bytes], boundary: str) -> np.ndarray:
+    """Byte spans (D, 2) [start, end) of the documents in a file's lines (read as a stream).
 
     ``blank_line``: maximal runs of lines holding non-whitespace; ``line``: each such line.
     """
     spans = []
     start = None
     pos = 0
-    for line in data.splitlines(keepends=True):
+    for line in lines:
         end = pos + len(line)
         if line.strip():
             if boundary == "line":
@@ -230,7 +230,7 @@ class TextFileSource:
         per_file = []
         for i, f in enumerate(self.files):
             with open(f, "rb") as fh:
-                spans = document_spans(fh.read(), boundary)
+                spans = document_spans(fh, boundary)
             per_file.append(np.concatenate([np.full((len(spans), 1), i, np.int64), spans], 1))
         self._docs = np.concatenate(per_file) if per_file else np.zeros((0, 3), np.int64)
 
