@@ -35,14 +35,9 @@ from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
 from posjax.training import flops
-from posjax.training.tasks import Metrics, Task, register_task
+from posjax.training.tasks import Metrics, Task, _to_dict, register_task
 
 Array = jax.Array
-ABSOLUTE_TABLE_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r")
-
-
-def _to_dict(c: Any) -> dict[str, Any]:
-    return c.to_dict() if hasattr(c, "to_dict") else dict(c)
 
 
 def token_cross_entropy(logits: Array, targets: Array) -> Array:
@@ -53,15 +48,13 @@ def token_cross_entropy(logits: Array, targets: Array) -> Array:
 
 def check_text_model(cfg: TextConfig, tokenizer: TextTokenizer, length: int,
                      length_field: str) -> None:
-    """The tokenizer's ids must fit the embedding table, the sequences the position table."""
+    """The tokenizer's ids must fit the embedding table, the sequences the position table
+    (every scheme with a table looks positions up in it; DeBERTa without one has none)."""
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                          f"{tokenizer.vocab_size} ids ({tokenizer.path}): set model.vocab_size "
                          f">= {tokenizer.vocab_size}")
-    needs_table = (cfg.position_scheme in ABSOLUTE_TABLE_SCHEMES or
-                   (cfg.max_position_embeddings > 0 and cfg.position_biased_input) or
-                   cfg.use_emd)
-    if needs_table and length > cfg.max_position_embeddings:
+    if cfg.max_position_embeddings and length > cfg.max_position_embeddings:
         raise ValueError(f"{length_field}={length} exceeds model.max_position_embeddings="
                          f"{cfg.max_position_embeddings}: shorten the sequences or enlarge "
                          "the position table")
