@@ -9,11 +9,10 @@ import sys
 
 import ml_collections
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from posjax.training import loop
 
-config_flags.DEFINE_config_file("config", None, "Config file[:variant] (default: the workdir's).")
+loop.define_config_flag(None, "Config file[:variant] (default: the workdir's).")
 flags.DEFINE_string("workdir", None, "Directory train.py wrote.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 
@@ -40,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=loop.parse_flags)

@@ -7,13 +7,12 @@ import pathlib
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from posjax.training import loop
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
 
-config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file[:variant].")
+loop.define_config_flag(DEFAULT_CONFIG, "Training config file[:variant].")
 flags.DEFINE_string("workdir", "/tmp/posjax_digits", "Directory for checkpoints and logs.")
 
 
@@ -33,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=loop.parse_flags)

@@ -449,3 +449,56 @@ def _format(result: dict[str, float]) -> str:
 def _print(run: Run, line: str) -> None:
     if run.is_main:
         print(line, flush=True)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _config_args(argv: list[str]) -> str:
+    out = []
+    for i, a in enumerate(argv[1:], 1):
+        if a.startswith("--config"):
+            out.append(f"{a} {argv[i + 1]}" if a == "--config" and i + 1 < len(argv) else a)
+    return " ".join(out)
+
+
+def _unknown_key_exit(error: Exception, argv: list[str]):
+    import sys
+    key = str(error).strip("'\"")
+    sys.exit(f"error: unknown config key {key!r} in {_config_args(argv)}: the config has no "
+             "such field (check the spelling against the config file)")
+
+
+def define_config_flag(default: str | None, help_text: str) -> None:
+    """``--config`` (ml_collections config file with ``--config.a.b=v`` overrides). With a
+    default, ml_collections applies the overrides while the flag is defined, so an unknown key
+    is reported here."""
+    import sys
+
+    from ml_collections import config_flags
+
+    try:
+        config_flags.DEFINE_config_file("config", default, help_text)
+    except (KeyError, AttributeError) as e:
+        _unknown_key_exit(e, sys.argv)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flags parser for train.py / eval.py: a bad ``--config`` (missing file, unknown key,
+    wrong type) ends with one ``error:`` line and exit status 1 instead of a traceback."""
+    import sys
+
+    from absl import flags
+
+    try:
+        rest = flags.FLAGS(argv)
+        if flags.FLAGS.config is not None:
+            flags.FLAGS.config.get("task")   # a config that failed to load raises here
+        return rest
+    except flags.Error as e:
+        sys.exit(f"error: {e}\nPass --helpfull to see the flags.")
+    except (KeyError, AttributeError) as e:
+        _unknown_key_exit(e, argv)
+    except OSError as e:
+        detail = " ".join(str(e).split())
+        sys.exit(f"error: cannot load the config given by {_config_args(argv)}: {detail}")
