@@ -3,8 +3,8 @@
 Parameters are drawn at a scale where every term matters (the 0.02 init makes attention
 nearly uniform, so a wrong position index would change outputs by less than the tolerance):
 kernels N(0, 1/fan_in), token embeddings N(0, 1/E) (so tied MLM logits are O(1)), position
-and relative tables N(0, 1), LayerNorm scales 1 + N(0, 0.2²), biases N(0, 0.2²). Shapes come from ``jax.eval_shape`` of ``init``, so nothing is
-compiled.
+and relative tables N(0, 1), LayerNorm scales 1 + N(0, 0.2²), biases N(0, 0.2²). Shapes come
+from ``jax.eval_shape`` of ``init``, so nothing is compiled.
 """
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ def deberta_log_bucket(r: np.ndarray, buckets: int, max_position: int) -> np.nda
 
     mid = buckets/2; |r| <= mid unchanged, else sign(r)·(mid + ceil(log(|r|/mid) /
     log((max_position − 1)/mid) · (mid − 1))). Evaluated in that order (the official one): at
-    |r| = max_position − 1 the ratio is exactly 1, and ceil would round up any other ordering.
+    |r| = max_position − 1 the ratio is exactly 1, while (mid − 1)·log(…)/log(…) can land one
+    ulp above mid − 1, which ceil would turn into the next bucket.
     """
     r = np.clip(np.asarray(r, dtype=np.int64), -(max_position - 1), max_position - 1)
     mid = buckets // 2
@@ -200,7 +201,9 @@ def disentangled_attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray,
 
 
 def tupe_table_correlation(p: Params, length: int, num_heads: int, eps: float) -> np.ndarray:
-    """TUPE: P = LN(table[0 : L+1]); A = (P U_Q + b)/√(2d) · (P U_K + b)ᵀ per head: (h, L+1, L+1)."""
+    """TUPE: P = LN(table[0 : L+1]); A = (P U_Q + b)/√(2d) · (P U_K + b)ᵀ per head.
+
+    -> (h, L+1, L+1); row/column 0 is the [CLS] table row."""
     pos = layer_norm(p["position_embeddings"][: length + 1], p["norm"], eps)
     d = pos.shape[-1] // num_heads
     pq = linear(pos, p["query"]) / math.sqrt(2 * d)
