@@ -25,8 +25,11 @@ class Checkpointer:
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True):
         self.directory = pathlib.Path(workdir).expanduser().resolve() / "checkpoints"
+        # Save on the interval only (Orbax's default also saves the first step of every run);
+        # preemption and the final step are saved with force=True.
+        policy = ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every_steps), 1))
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=max(int(every_steps), 1), max_to_keep=int(keep) or None,
+            save_decision_policy=policy, max_to_keep=int(keep) or None,
             enable_async_checkpointing=async_save, create=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))

@@ -252,10 +252,6 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
             for k, v in local.items()}
 
 
-def _batch_spec(task: Task) -> dict[str, np.ndarray]:
-    return task.dummy_batch(1)
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -308,8 +304,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                          f"(available: {sorted(steps) or 'none'})")
     state = checkpointer.restore(step, run.abstract)
     checkpointer.close()
-    eval_step = steps_lib.make_eval_step(run.task, run.model, run.mesh, run.shardings.params,
-                                         _batch_spec(run.task))
+    eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
         result = run_evaluation(run, state.params, eval_step,
                                 run.workdir / "predictions" / f"step_{step}")
@@ -367,10 +362,9 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
                               True, jax.process_index(), jax.process_count())
     iterator = pipe.iterator
     state, start = _start_state(run, checkpointer, iterator)
-    spec = _batch_spec(task)
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
-                                           spec, config.microbatches)
-    eval_step = steps_lib.make_eval_step(task, run.model, run.mesh, run.shardings.params, spec)
+                                           task.dummy_batch(1), config.microbatches)
+    eval_step = steps_lib.make_eval_step(task, run.model)
     writer = metrics_lib.MetricWriter(run.workdir, run.is_main, start)
     progress = metrics_lib.Progress(num_steps, start)
     accumulator = metrics_lib.MetricAccumulator()

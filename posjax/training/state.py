@@ -70,8 +70,7 @@ def init_state(task: Task, model: nn.Module, tx: optax.GradientTransformation, m
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params))
 
-    # No logical rules while tracing init: Flax's DenseGeneral would constrain its flattened
-    # kernel with the unflattened names; out_shardings place every array anyway.
+    # Initialisation needs no activation constraints: out_shardings place every array.
     with jax.set_mesh(mesh):
         return jax.jit(init, out_shardings=shardings)()
 

@@ -94,11 +94,11 @@ def make_train_step(task: Task, model: nn.Module, tx: optax.GradientTransformati
                    donate_argnums=(0,))
 
 
-def make_eval_step(task: Task, model: nn.Module, mesh: Mesh, param_shardings: Any,
-                   batch_spec: dict[str, Any]) -> Callable[[Any, dict], dict[str, jax.Array]]:
-    """jit(eval_outputs): per-example outputs, sharded over the batch like the inputs."""
+def make_eval_step(task: Task, model: nn.Module) -> Callable[[Any, dict], dict[str, jax.Array]]:
+    """jit(eval_outputs): per-example outputs. The inputs' own shardings are used (params as
+    placed by init/restore, batches from ``global_batch``), and eval batches may carry other
+    keys than train batches (e.g. no mixup targets)."""
     def eval_step(params, batch):
         return task.eval_outputs(model, params, batch)
 
-    batch_shardings = {k: mesh_lib.batch_sharding(mesh, v.ndim) for k, v in batch_spec.items()}
-    return jax.jit(eval_step, in_shardings=(param_shardings, batch_shardings))
+    return jax.jit(eval_step)
