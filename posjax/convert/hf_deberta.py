@@ -306,12 +306,8 @@ def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarra
     base = () if task == "encoder" else ("encoder",)
     params = pre.params
     if cfg.max_position_embeddings and not (cfg.position_biased_input or cfg.use_emd):
-        # An absolute table neither the input nor EMD reads: HF ignores it, and reading it back
-        # would switch EMD on for MLM models, so it is left out (outputs are unaffected).
+        # The model holds no table that neither the input nor EMD reads (TextEmbeddings).
         cfg = dataclasses.replace(cfg, max_position_embeddings=0)
-        flat = m.flatten(params)
-        del flat[base + ("embeddings", "position_embeddings", "embedding")]
-        params = m.unflatten(flat)
     links = encoder_links(cfg, prefix, base) + head_links(task, legacy_mlm)
     tensors = m.export_tensors(links, params, f"export of {cfg.position_scheme} {task}")
     return out, tensors

@@ -24,32 +24,42 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 DEFAULT_INIT = nn.initializers.normal(stddev=0.02)
 
 
-class _FlatSafePartitioned(nn.LogicallyPartitioned):
-    """LogicallyPartitioned that skips its sharding constraint while the value's rank differs
-    from its names: DenseGeneral initialises a flattened (in, out) kernel (and bias), unboxes it under the
-    active mesh/rules, then reshapes and re-boxes it (Flax 0.12 would otherwise fail under
-    ``nn.logical_axis_rules`` + ``jax.set_mesh``, in init and in apply's shape check)."""
+class Dense(nn.Module):
+    """y = x·W + b contracting the trailing ``num_in`` axes of x; W has shape (in..., features...).
 
-    def unbox(self, apply_constraint: bool = True):
-        return super().unbox(apply_constraint and jnp.ndim(self.value) == len(self.names))
+    Parameters are fp32 and created at their full shape with logical axis ``names`` (so they
+    shard without reshapes); compute runs in ``dtype``.
+    """
 
+    features: tuple[int, ...]
+    names: tuple[str | None, ...]
+    num_in: int = 1
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    kernel_init: Callable = DEFAULT_INIT
 
-def _partitioned_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
-    def wrapper(*args, **kwargs):
-        return _FlatSafePartitioned(init(*args, **kwargs), names)
-    return wrapper
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape = x.shape[x.ndim - self.num_in:]
+        kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.names),
+                            in_shape + self.features, jnp.float32)
+        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros_init(), self.names[self.num_in:]), self.features, jnp.float32)
+            y = y + bias.astype(self.dtype)
+        return y
 
 
 def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name: str,
           dtype: jnp.dtype, use_bias: bool = True, axis: int | tuple[int, ...] = -1,
-          kernel_init: Callable = DEFAULT_INIT) -> nn.DenseGeneral:
-    """A DenseGeneral whose kernel and bias carry logical axis names (fp32 parameters)."""
+          kernel_init: Callable = DEFAULT_INIT) -> Dense:
+    """A ``Dense`` over input axes ``axis`` (-1, or (-2, -1) for the heads' output projection)."""
     features_t = (features,) if isinstance(features, int) else tuple(features)
-    return nn.DenseGeneral(
-        features=features_t, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-        kernel_init=_partitioned_init(kernel_init, names),
-        bias_init=_partitioned_init(nn.initializers.zeros_init(), names[-len(features_t):]),
-        name=name)
+    num_in = 1 if isinstance(axis, int) else len(axis)
+    return Dense(features_t, tuple(names), num_in=num_in, use_bias=use_bias, dtype=dtype,
+                 kernel_init=kernel_init, name=name)
 
 
 def layer_norm(eps: float, *, name: str, dtype: jnp.dtype) -> nn.LayerNorm:

@@ -49,9 +49,10 @@ class TextEmbeddings(nn.Module):
 
     @property
     def has_position_table(self) -> bool:
+        """BERT-A/R add the table to the input; DeBERTa keeps one when the input or EMD reads it."""
         cfg = self.cfg
         if cfg.position_scheme in DEBERTA:
-            return cfg.max_position_embeddings > 0
+            return cfg.max_position_embeddings > 0 and (cfg.position_biased_input or cfg.use_emd)
         return cfg.position_scheme in ("bert_abs", "bert_rel")
 
     def __call__(self, input_ids: Array, token_mask: Array, token_type_ids: Array | None,

@@ -197,5 +197,5 @@ def load_init_from(state: TrainState, path: str, shardings: TrainState) -> Train
     loaded, pretrained_cfg = read_pretrained(path, state.params, shardings.params)
     params, notes = merge_pretrained(state.params, loaded, shardings.params, pretrained_cfg)
     for line in notes:
-        logging.info("init_from %s: %s", path, line)
+        logging.warning("init_from %s: %s", path, line)
     return state.replace(params=params)
