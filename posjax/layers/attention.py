@@ -120,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
         weights = attention_weights(logits, mask)
+        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
         weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
         out = combine_heads(weights, v, self.dtype)
         return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,

@@ -151,6 +151,7 @@ class DisentangledAttention(nn.Module):
                 else:
                     logits = logits + _p2c_dynamic(p2c, idx)
         weights = attention_weights(logits, mask)
+        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
         weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
         out = combine_heads(weights, v, self.dtype)
         return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,

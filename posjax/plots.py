@@ -1,0 +1,75 @@
+"""Attention maps as PNG: collect every layer's attention weights and draw layers × heads."""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+
+def attention_maps(model: nn.Module, variables: Any, *args: Any, **kwargs: Any) -> list[np.ndarray]:
+    """Every attention module's weights, in call order: a list of (B, h, Lq, Lk) arrays.
+
+    Runs ``model.apply(variables, *args, **kwargs)`` collecting the ``attention_weights`` each
+    attention layer sows into the ``intermediates`` collection (EMD passes included, last).
+    """
+    _, state = model.apply(variables, *args, mutable=["intermediates"], **kwargs)
+    maps: list[np.ndarray] = []
+
+    def collect(tree: Any) -> None:
+        if isinstance(tree, dict):
+            for key in _call_order(tree):
+                if key == "attention_weights":
+                    maps.extend(np.asarray(w, np.float32) for w in tree[key])
+                else:
+                    collect(tree[key])
+
+    collect(jax.device_get(state["intermediates"]))
+    return maps
+
+
+def _call_order(tree: dict) -> list[str]:
+    """Keys with numbered siblings (layer_2 before layer_10) in numeric order."""
+    def key(k: str) -> tuple:
+        stem, _, num = k.rpartition("_")
+        return (stem, int(num)) if num.isdigit() else (k, -1)
+    return sorted(tree, key=key)
+
+
+def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, example: int = 0,
+                       max_heads: int = 8, tokens: Sequence[str] | None = None,
+                       title: str = "") -> pathlib.Path:
+    """Draw one example's maps as a grid (rows: layers, columns: heads) into ``path`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not maps:
+        raise ValueError("maps is empty: the model sowed no attention weights")
+    rows = len(maps)
+    cols = min(maps[0].shape[1], max_heads)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.2 * rows), squeeze=False)
+    for r, m in enumerate(maps):
+        for c in range(cols):
+            ax = axes[r][c]
+            ax.imshow(m[example, c], cmap="viridis", vmin=0.0, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"head {c}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {r}", fontsize=8)
+    if tokens is not None and len(tokens) <= 32:
+        ax = axes[-1][0]
+        ax.set_xticks(range(len(tokens)))
+        ax.set_xticklabels(tokens, rotation=90, fontsize=5)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
