@@ -14,6 +14,7 @@ import json
 import logging
 import pathlib
 import tempfile
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -346,7 +347,7 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
                  ) -> tuple[state_lib.TrainState, int]:
     latest = checkpointer.latest_step()
     if latest is not None:
-        logging.info("resuming from %s/%d", checkpointer.directory, latest)
+        _print(run, f"resuming from {checkpointer.directory / str(latest)}")
         return checkpointer.restore(latest, run.abstract, iterator), latest
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
@@ -370,13 +371,14 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
     accumulator = metrics_lib.MetricAccumulator()
     flops_per_example = task.flops_per_example()
     peak, peak_source = metrics_lib.peak_flops_per_device(config.peak_flops)
-    logging.info("model: %.4g train FLOPs/example; peak %.4g FLOP/s/device (%s); %d devices",
-                 flops_per_example, peak, peak_source, jax.device_count())
+    _print(run, f"{flops_per_example:.4g} train FLOPs/example; MFU against {peak:.4g} "
+                f"FLOP/s per device ({peak_source}) x {jax.device_count()} devices")
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
     checkpointer.watch_preemption()
     preempted = False
     step = start
     first = True
+    started = time.perf_counter()
     with run.context():
         while step < num_steps:
             batch = global_batch(next(iterator), run.mesh)
@@ -385,6 +387,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
             accumulator.add(step_metrics)
             if first:   # exclude compilation from throughput
                 jax.block_until_ready(state.step)
+                _print(run, f"step {step} (compilation included) took "
+                            f"{time.perf_counter() - started:.1f}s")
                 progress.restart(step)
                 first = False
             if step % config.log_every_steps == 0 or step == num_steps:

@@ -218,11 +218,12 @@ class ImageClassification(Task):
         targets = batch.get("label_soft")
         if targets is None:
             targets = jax.nn.one_hot(batch["label"], model.cfg.num_classes)
-        targets = smooth_labels(targets, self.label_smoothing)
         logits = model.apply({"params": params}, batch["image"], train=True,
                              rngs={"dropout": rng})
         weight = batch["mask"].astype(jnp.float32)
-        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        # Against the dominant class of the (mixed) targets: the label itself without mixup.
+        correct = (jnp.argmax(logits, -1) == jnp.argmax(targets, -1)).astype(jnp.float32)
+        targets = smooth_labels(targets, self.label_smoothing)
         count = jnp.sum(weight)
         return {"loss": (jnp.sum(weight * soft_cross_entropy(logits, targets)), count),
                 "accuracy": (jnp.sum(weight * correct), count)}
