@@ -1,9 +1,20 @@
-"""Train, stop, resume: bit-identical to the uninterrupted run; the resumed run sees the same next
-batch; a checkpoint restores onto another mesh and device count; init_from loads converter
-output (matching by path, new heads keep their init)."""
+"""Whole training runs on the synthetic task (one fixture, the runs overlap in time):
+
+* a real 2-process run (127.0.0.1 coordinator, 2 x 4 CPU devices, gloo collectives) equals the
+  1-process 8-device run: same losses, eval and final parameters;
+* train, stop, resume: bit-identical to the uninterrupted run, and the resumed run sees the
+  same next batch;
+* a checkpoint restores onto another mesh and device count; eval reproduces the final eval;
+* init_from loads converter output (matching by path, new heads keep their init).
+"""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -17,6 +28,32 @@ from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
 import test_training_synthetic as syn
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
+MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+
+WORKER = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_training_synthetic as syn
+from posjax.training import loop
+import jax
+config = syn.tiny_config(**{{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
+                            "distributed.enabled": True,
+                            "distributed.coordinator_address": "127.0.0.1:{port}",
+                            "distributed.num_processes": 2,
+                            "distributed.process_id": int(sys.argv[1])}})
+loop.maybe_initialize_distributed(config)
+assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+loop.train(config, {workdir!r})
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _restore(config, workdir, step, devices=None, mesh_cfg=None):
@@ -34,17 +71,52 @@ def _restore(config, workdir, step, devices=None, mesh_cfg=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(config, uninterrupted workdir, interrupted-and-resumed workdir, stop result)."""
-    root = tmp_path_factory.mktemp("resume")
-    config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2})
+    """(config, uninterrupted workdir, stopped-and-resumed workdir, stop result, 2-process
+    workdir, the 2 processes' outputs). The 2-process run goes on while this process trains."""
+    root = tmp_path_factory.mktemp("runs")
+    code = WORKER.format(root=str(ROOT), tests=str(TESTS), port=_free_port(),
+                         workdir=str(root / "two_processes"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    config = syn.tiny_config(**MESH)
     loop.train(config, root / "straight")
     stopped = loop.train(config, root / "resumed", stop_after=3)
     loop.train(config, root / "resumed")
-    return config, root / "straight", root / "resumed", stopped
+    outputs = [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
+    return config, root / "straight", root / "resumed", stopped, root / "two_processes", outputs
+
+
+def _records(workdir):
+    return [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_equal_one_process(runs):
+    config, single, _, _, multi, outputs = runs
+    for out, code in outputs:
+        assert code == 0, out[-3000:]
+    losses_multi = {r["step"]: r["loss"] for r in _records(multi) if r["split"] == "train"}
+    losses_single = {r["step"]: r["loss"] for r in _records(single) if r["split"] == "train"}
+    assert sorted(losses_multi) == sorted(losses_single) == list(range(1, 7))
+    for step, loss in losses_single.items():
+        assert abs(losses_multi[step] - loss) <= 1e-5, (step, losses_multi[step], loss)
+    eval_multi = json.loads(loop.eval_file(multi, 6).read_text())
+    eval_single = json.loads(loop.eval_file(single, 6).read_text())
+    assert eval_multi["num_examples"] == eval_single["num_examples"] == 40
+    assert abs(eval_multi["accuracy"] - eval_single["accuracy"]) < 1e-9
+    a, b = _restore(config, multi, 6), _restore(config, single, 6)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        # Adam moves a parameter by ~lr·sign(g) when g ≈ 0, so allow a little more than 1e-5.
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=5e-4)
+    # Each process saved its own input-iterator state.
+    assert sorted(p.name for p in (multi / "checkpoints" / "6" / "data_iter").glob("process_*")
+                  ) == ["process_0-of-2.json", "process_1-of-2.json"]
 
 
 def test_resumed_run_is_bit_identical(runs):
-    config, straight, resumed, stopped = runs
+    config, straight, resumed, stopped, _, _ = runs
     assert stopped.preempted and stopped.step == 3 and stopped.eval == {}
     a = _restore(config, straight, 6)
     b = _restore(config, resumed, 6)
@@ -53,17 +125,15 @@ def test_resumed_run_is_bit_identical(runs):
                     jax.tree.leaves((b.params, b.opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # Same per-step losses, each step logged once, same final eval.
-    def records(workdir):
-        return [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
-    train_a = [(r["step"], r["loss"]) for r in records(straight) if r["split"] == "train"]
-    train_b = [(r["step"], r["loss"]) for r in records(resumed) if r["split"] == "train"]
+    train_a = [(r["step"], r["loss"]) for r in _records(straight) if r["split"] == "train"]
+    train_b = [(r["step"], r["loss"]) for r in _records(resumed) if r["split"] == "train"]
     assert train_a == train_b and [s for s, _ in train_a] == list(range(1, 7))
     assert loop.eval_file(straight, 6).read_text() == loop.eval_file(resumed, 6).read_text()
     assert (resumed / "loss_curve.png").stat().st_size > 0
 
 
 def test_resumed_iterator_yields_the_next_batch(runs):
-    config, _, resumed, _ = runs
+    config, _, resumed, _, _, _ = runs
     task = make_task(config)
     fresh = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
     expected = [next(fresh) for _ in range(4)][-1]   # the 4th batch: first after step 3
@@ -78,8 +148,8 @@ def test_resumed_iterator_yields_the_next_batch(runs):
 
 
 def test_restore_onto_another_mesh_and_device_count(runs):
-    config, straight, _, _ = runs
-    a = _restore(config, straight, 6)                                   # 8 devices, data x fsdp
+    config, straight, _, _, _, _ = runs
+    a = _restore(config, straight, 6)                         # 8 devices, data x fsdp x tensor
     b = _restore(config, straight, 6, jax.devices()[:4], {"fsdp": 2, "tensor": 2})
     kernel = b.params["encoder"]["layer_0"]["attention"]["query"]["kernel"]
     assert len(kernel.sharding.device_set) == 4
@@ -89,7 +159,7 @@ def test_restore_onto_another_mesh_and_device_count(runs):
 
 
 def test_eval_reproduces_the_training_eval(runs):
-    config, straight, _, _ = runs
+    config, straight, _, _, _, _ = runs
     result = loop.evaluate(config, straight)
     written = json.loads(loop.eval_file(straight, 6).read_text())
     assert result == written and written["num_examples"] == 40
