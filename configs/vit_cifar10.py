@@ -6,7 +6,8 @@
 import pathlib
 
 from posjax.data import default_data_config
-from posjax.training.loop import default_config
+from posjax.models.config import ViTConfig
+from posjax.training.loop import default_config, model_defaults
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -17,9 +18,9 @@ def get_config():
     config.data.update(path=str(SHARED / "cifar10"), train_split="train_20k",
                        test_split="test", image_size=32,
                        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
-    config.model = dict(
-        position_scheme="vit", image_size=32, patch_size=4, num_channels=3, hidden_size=192,
-        num_heads=3, num_layers=6, mlp_dim=768, num_classes=10, pooling="gap",
+    config.model = model_defaults(
+        ViTConfig, position_scheme="vit", image_size=32, patch_size=4, num_channels=3,
+        hidden_size=192, num_heads=3, num_layers=6, mlp_dim=768, num_classes=10, pooling="gap",
         dropout_rate=0.1)
     config.num_steps = 10000
     config.batch_size = 128

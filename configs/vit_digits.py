@@ -6,16 +6,17 @@
 Target: >= 96% test accuracy (359 held-out digits) in under 5 minutes on 2 CPU cores.
 """
 from posjax.data import default_data_config
-from posjax.training.loop import default_config
+from posjax.models.config import ViTConfig
+from posjax.training.loop import default_config, model_defaults
 
 
 def get_config(variant: str = "") -> "ml_collections.ConfigDict":
     config = default_config()
     config.data = default_data_config("digits")
     config.data.mixup_alpha = 0.2          # mixup is the regulariser that matters here
-    config.model = dict(
-        position_scheme="vit", image_size=8, patch_size=4, num_channels=1, hidden_size=64,
-        num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
+    config.model = model_defaults(
+        ViTConfig, position_scheme="vit", image_size=8, patch_size=4, num_channels=1,
+        hidden_size=64, num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
         dropout_rate=0.1, attention_dropout_rate=0.0, dtype="float32")
     config.num_steps = 800                 # ~71 epochs of the 1,438 training digits
     config.batch_size = 128

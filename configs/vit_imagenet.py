@@ -24,7 +24,8 @@ gradient-norm clipping at 1, 384 px; the pre-trained 224 px position table is re
         --config.init_from=/path/to/converted_b16
 """
 from posjax.data import default_data_config
-from posjax.training.loop import default_config
+from posjax.models.config import ViTConfig
+from posjax.training.loop import default_config, model_defaults
 
 SIZES = {  # hidden, layers, heads
     "ti": (192, 12, 3), "s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16),
@@ -54,10 +55,10 @@ def get_config(variant: str = "b16"):
     hidden, layers, heads = SIZES[size]
     resolution = 384 if mode == "finetune" else 224
     config = default_config()
-    config.model = dict(
-        position_scheme="vit", image_size=resolution, patch_size=patch, num_channels=3,
-        hidden_size=hidden, num_heads=heads, num_layers=layers, mlp_dim=4 * hidden,
-        num_classes=1000, pooling="token", representation_size=hidden,
+    config.model = model_defaults(
+        ViTConfig, position_scheme="vit", image_size=resolution, patch_size=patch,
+        num_channels=3, hidden_size=hidden, num_heads=heads, num_layers=layers,
+        mlp_dim=4 * hidden, num_classes=1000, pooling="token", representation_size=hidden,
         hidden_act="gelu_tanh", layer_norm_eps=1e-6, dropout_rate=0.0, dtype="bfloat16",
         remat=size in ("l", "h"))
     config.mesh = dict(data=-1, fsdp=1, tensor=1)

@@ -7,7 +7,8 @@ there, so it is split 8,000 train / 2,000 test). Point --config.data.path at you
 import pathlib
 
 from posjax.data import default_data_config
-from posjax.training.loop import default_config
+from posjax.models.config import ViTConfig
+from posjax.training.loop import default_config, model_defaults
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -17,9 +18,9 @@ def get_config():
     config.data = default_data_config("mnist")
     config.data.update(path=str(SHARED / "mnist"), train_split="test[:8000]",
                        test_split="test[8000:]", image_size=28)
-    config.model = dict(
-        position_scheme="vit", image_size=28, patch_size=7, num_channels=1, hidden_size=64,
-        num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
+    config.model = model_defaults(
+        ViTConfig, position_scheme="vit", image_size=28, patch_size=7, num_channels=1,
+        hidden_size=64, num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
         dropout_rate=0.1)
     config.num_steps = 3000
     config.batch_size = 128

@@ -67,6 +67,16 @@ def default_config() -> ml_collections.ConfigDict:
     })
 
 
+def model_defaults(config_class: type, **overrides: Any) -> dict[str, Any]:
+    """Every field of a model config dataclass (ViTConfig, TextConfig) with its default, then
+    ``overrides`` — so any field can be set from the command line (--config.model.<field>)."""
+    fields = {f.name: f.default for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown {config_class.__name__} field(s) {unknown}")
+    return {**fields, **overrides}
+
+
 def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
     """jax.distributed.initialize when ``config.distributed.enabled`` (before any device use).
     Empty address / 0 processes / -1 id: auto-detected (TPU pods, SLURM, ...)."""

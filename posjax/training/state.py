@@ -136,8 +136,9 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
 
     Same shape: taken as is. ViT ``pos_embedding`` with another token count: resampled to the
     new grid (bilinear, vit_jax convention; the [CLS] row, present when the model has a ``cls``
-    parameter, is kept; the old grid comes from the pretrained model config, else square). Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the
-    fresh init. Returns (params, log lines).
+    parameter, is kept; the old grid comes from the pretrained model config, else square).
+    Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init.
+    Returns (params, log lines).
     """
     flat_shardings = _flatten(shardings)
     num_prefix_tokens = 1 if "['cls']" in flat_shardings else 0

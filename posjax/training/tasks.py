@@ -150,13 +150,6 @@ def smooth_labels(targets: Array, smoothing: float) -> Array:
     return targets * (1.0 - smoothing) + smoothing / targets.shape[-1]
 
 
-def mixup(images: Array, targets: Array, rng: Array, alpha: float) -> tuple[Array, Array]:
-    """x̃ = λx + (1−λ)x_π, ỹ = λy + (1−λ)y_π with λ ~ Beta(α, α) and π a roll by one example."""
-    lam = jax.random.beta(rng, alpha, alpha)
-    mix = lambda a: lam * a + (1.0 - lam) * jnp.roll(a, 1, axis=0)
-    return mix(images), mix(targets)
-
-
 @register_task
 class ImageClassification(Task):
     """ViT on images: softmax cross-entropy with optional label smoothing, and accuracy.
