@@ -39,35 +39,35 @@ def test_bad_input_exits_with_one_message(tmp_path):
 
 def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     workdir = tmp_path / "run"
-    args = ["train.py", *TINY, "--config.num_steps=600", "--config.log_every_steps=20",
+    args = ["train.py", *TINY, "--config.num_steps=200", "--config.log_every_steps=10",
             "--config.checkpoint.every_steps=100000", f"--workdir={workdir}"]
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 20/600"):
+        if line.startswith("step 10/200"):
             proc.send_signal(signal.SIGTERM)
             break
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "preempted: checkpoint saved at step" in out, out[-3000:]
     stopped = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
-    assert 20 <= stopped < 600
+    assert 10 <= stopped < 200
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
     assert not list((workdir / "checkpoints").glob("eval_*.json"))
 
     resumed = _run(*args)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert f"step {stopped}/600" not in resumed.stdout    # started after the saved step
-    assert "final eval at step 600" in resumed.stdout
+    assert f"step {stopped}/200" not in resumed.stdout    # started after the saved step
+    assert "final eval at step 200" in resumed.stdout
     records = [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if r["split"] == "train"]
-    assert train_steps == list(range(20, 601, 20))         # each logged step exactly once
-    written = json.loads((workdir / "checkpoints" / "eval_600.json").read_text())
+    assert train_steps == list(range(10, 201, 10))         # each logged step exactly once
+    written = json.loads((workdir / "checkpoints" / "eval_200.json").read_text())
     assert written["num_examples"] == 359
 
     evaluated = _run("eval.py", f"--workdir={workdir}")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout) == written
-    assert json.loads((workdir / "checkpoints" / "eval_600.json").read_text()) == written
+    assert json.loads((workdir / "checkpoints" / "eval_200.json").read_text()) == written

@@ -1,7 +1,8 @@
 """Whole training runs on the synthetic task (one fixture, the runs overlap in time):
 
-* a real 2-process run (127.0.0.1 coordinator, 2 x 4 CPU devices, gloo collectives) equals the
-  1-process 8-device run: same losses, eval and final parameters;
+* a real 2-process run (127.0.0.1 coordinator, 2 x 4 CPU devices, gloo collectives, mesh
+  data 2 x fsdp 2 x tensor 2) equals the 1-process 8-device run (mesh data 8): same losses
+  (with dropout), eval and final parameters;
 * train, stop, resume: bit-identical to the uninterrupted run, and the resumed run sees the
   same next batch;
 * a checkpoint restores onto another mesh and device count; eval reproduces the final eval;
@@ -31,7 +32,6 @@ import test_training_synthetic as syn
 
 TESTS = pathlib.Path(__file__).resolve().parent
 ROOT = TESTS.parent
-MESH = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
 
 WORKER = """
 import sys
@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-    config = syn.tiny_config(**MESH)
+    config = syn.tiny_config()   # mesh data=-1: 8 x 1 x 1
     loop.train(config, root / "straight")
     stopped = loop.train(config, root / "resumed", stop_after=3)
     loop.train(config, root / "resumed")
@@ -149,7 +149,7 @@ def test_resumed_iterator_yields_the_next_batch(runs):
 
 def test_restore_onto_another_mesh_and_device_count(runs):
     config, straight, _, _, _, _ = runs
-    a = _restore(config, straight, 6)                         # 8 devices, data x fsdp x tensor
+    a = _restore(config, straight, 6)                                   # 8 devices, data 8
     b = _restore(config, straight, 6, jax.devices()[:4], {"fsdp": 2, "tensor": 2})
     kernel = b.params["encoder"]["layer_0"]["attention"]["query"]["kernel"]
     assert len(kernel.sharding.device_set) == 4
