@@ -156,6 +156,8 @@ def test_shardings_drop_axes_that_do_not_divide():
     ({"model.colour": 1}, "unknown ViTConfig field"),
     ({"task": "translation"}, "config.task='translation'"),
     ({"init_from": "/nonexistent/export"}, "init_from='/nonexistent/export'"),
+    ({"optimizer.beta1": 0.9}, "unknown config key.*'optimizer.beta1'"),
+    ({"num_epochs": 3}, "unknown config key.*'num_epochs'"),
 ])
 def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, match):
     config = syn.tiny_config()

@@ -101,8 +101,23 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_known_keys(config: ml_collections.ConfigDict) -> None:
+    """Every key (top level, optimizer, checkpoint, distributed) must be one default_config
+    defines: a misspelt key in a config file would otherwise be ignored silently."""
+    defaults = default_config()
+    problems = [f"{k!r}" for k in sorted(set(config) - set(defaults))]
+    for group in ("optimizer", "checkpoint", "distributed"):
+        if group in config:
+            extra = sorted(set(config[group]) - set(defaults[group]))
+            problems += [f"'{group}.{k}'" for k in extra]
+    if problems:
+        raise ValueError(f"unknown config key(s) {', '.join(problems)}: the training config has "
+                         "no such field (see posjax.training.loop.default_config)")
+
+
 def validate_training_config(config: ml_collections.ConfigDict) -> None:
     """Scalar training keys (the task, optimizer and data check their own)."""
+    check_known_keys(config)
     for key in ("num_steps", "batch_size", "microbatches", "log_every_steps"):
         v = config[key]
         _check(isinstance(v, int) and v > 0, f"{key}={v!r} is not valid: must be a positive "
