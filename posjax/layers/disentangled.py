@@ -28,16 +28,18 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
 
     content: (B, La, h, d) content queries (c2p) or keys (p2c); table: (R, h, d) projected
     relative table; index: per axis (La, Lc) or (B, La, Lc) -> fp32 (B, h, La, Lc).
-    ``shift`` (a static Toeplitz index: text, queries = keys): gather the table rows of the
-    2L − 1 distances first (a small (2L−1, h, d) gather), multiply them with ``content`` and
-    relative-shift (skew) the (B, h, L, 2L−1) product into place. Otherwise (and for other
-    indices) the product with the whole table, (B, h, La, R), is gathered by ``relative_gather``.
+    ``shift`` (a static Toeplitz index: text, queries = keys) when 2L − 1 <= R: gather the
+    table rows of the 2L − 1 distances first (a small (2L−1, h, d) gather), multiply them with
+    ``content`` and relative-shift (skew) the (B, h, L, 2L−1) product into place — fewer FLOPs
+    than the product with the whole table and no gather of an L × L array. Otherwise (longer
+    sequences, other indices, other methods) the product with the whole table, (B, h, La, R),
+    is gathered by ``relative_gather`` (``shift`` then gathers like ``take``).
     """
     total, full = None, None
     for idx in index:
         cols = (_toeplitz_columns(idx) if method == "shift" and isinstance(idx, np.ndarray)
                 else None)
-        if cols is not None:
+        if cols is not None and len(cols) <= table.shape[0]:
             term = _skew(jnp.einsum("bqhd,chd->bhqc", content, table[cols],
                                     preferred_element_type=jnp.float32))
         else:

@@ -93,7 +93,8 @@ class TextConfig:
     conv_kernel_size: int = 0            # v2 ConvLayer (0: none)
     conv_groups: int = 1
     conv_act: str = "tanh"
-    gather: str = "take"                 # DeBERTa relative gather: take | onehot | shift
+    gather: str = "shift"                # DeBERTa relative gather: take | onehot | shift
+                                         # (shift: fastest in BENCHMARKS.md; = take beyond L=k)
     # Heads.
     use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM
     pooler_act: str = "tanh"
@@ -185,7 +186,7 @@ class ViTConfig:
     position_buckets: int = 0
     share_att_key: bool = False
     norm_rel_ebd: bool = False
-    gather: str = "take"
+    gather: str = "shift"                # grids are not Toeplitz: shift gathers like take
     remat: bool = False
 
     def __post_init__(self) -> None:
