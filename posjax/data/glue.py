@@ -557,7 +557,9 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
                          f"than shard_count={shard_count}; widen the split")
     encoded = encode_examples(examples, tokenizer, int(cfg.max_seq_length), task.is_regression,
                               report)
-    logging.info("GLUE %s %s: %s", task.name, spec, report.summary())
+    changed = report.bad_rows or report.empty_lines or report.truncated
+    logging.log(logging.WARNING if changed else logging.INFO, "GLUE %s %s: %s", task.name, spec,
+                report.summary())
     ds = grain.MapDataset.source(encoded)[shard_index::shard_count]
     if train:
         ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True,
