@@ -152,7 +152,8 @@ def test_wikitext_train_batches_and_resume(wikitext_cfg):
     seen_unk = False
     for b in batches:
         ids = b["input_ids"][b["attention_mask"] == 1]
-        seen_unk |= bool((b["masked_ids"] == tok.special.unk).any() or (ids == tok.special.unk).any())
+        seen_unk |= bool((b["masked_ids"] == tok.special.unk).any()
+                         or (ids == tok.special.unk).any())
         windows = np.lib.stride_tricks.sliding_window_view(b["input_ids"], 4, axis=1)
         assert not (windows == unk_pieces).all(-1).any()
     assert seen_unk

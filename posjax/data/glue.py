@@ -36,8 +36,9 @@ task's columns (wrong folder or task) raises at once.
 Metrics (``glue_metrics``): accuracy; F1 of the positive class (MRPC, QQP); Matthews
 correlation (CoLA); Pearson and Spearman correlation (STS-B). Submission files
 (``write_submission``): ``<Task>.tsv`` (test splits; ``<Task>.<split>.tsv`` for the others)
-with header ``index<TAB>prediction``, rows in ``idx`` order; predictions are the TSV label spelling (0/1, or entailment/... for MNLI, QNLI, RTE, AX),
-STS-B scores clipped to [0, 5] with 3 decimals.
+with header ``index<TAB>prediction``, rows in ``idx`` order; predictions are the TSV label
+spelling (0/1, or entailment/... for MNLI, QNLI, RTE, AX), STS-B scores clipped to [0, 5]
+with 3 decimals.
 """
 from __future__ import annotations
 

@@ -246,7 +246,8 @@ BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def train_tokenizer(files: Sequence[str], output: str | pathlib.Path, kind: str,
-                    vocab_size: int, lowercase: bool = True, min_frequency: int = 2) -> pathlib.Path:
+                    vocab_size: int, lowercase: bool = True, min_frequency: int = 2
+                    ) -> pathlib.Path:
     """Train a ``kind`` tokenizer on ``files`` and write it into ``output``; returns the file
     ``load_tokenizer`` should be given. Special tokens take ids 0..4 (see module docstring)."""
     _check_training_args(files, output, kind, vocab_size)

@@ -7,7 +7,8 @@ encoder into a GLUE model (the MLM head is ignored, pooler and classifier are in
 
 MLM loss (per run, over every real masked slot m of the batch, w_m = masked_weights·mask):
 
-    loss = Σ_m w_m · (−log softmax(z_m)[y_m]) / Σ_m w_m,   accuracy = Σ_m w_m·[argmax z_m = y_m] / Σ w_m
+    loss = Σ_m w_m · (−log softmax(z_m)[y_m]) / Σ_m w_m
+    accuracy = Σ_m w_m · [argmax z_m = y_m] / Σ_m w_m
 
 and evaluation reports ``loss``, ``accuracy`` and ``perplexity = exp(loss)``.
 
