@@ -118,6 +118,34 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
     assert {r.split("\t")[1] for r in rows[1:]} <= {"0", "1"}
 
 
+def test_glue_from_converted_encoder(tmp_path):
+    """A published encoder imported without its head (converter task 'encoder', params rooted
+    at ['embeddings']) lands in the GLUE model's params['encoder']."""
+    from posjax.convert import Pretrained, save_checkpoint
+    from posjax.models.config import TextConfig
+    from posjax.models.text import TextEncoder
+
+    config = glue_config("rte,deberta", "tiny")
+    config.model.update(TINY, max_position_embeddings=32, max_relative_positions=32,
+                        vocab_size=30522)
+    config.data.max_seq_length = 32
+    cfg = TextConfig.from_dict(dict(config.model))
+    ids = np.zeros((1, 8), np.int32)
+    encoder = jax.jit(lambda: nn.unbox(TextEncoder(cfg).init(jax.random.PRNGKey(7), ids,
+                                                             np.ones_like(ids))["params"]))()
+    encoder = jax.tree.map(np.asarray, encoder)
+    save_checkpoint(Pretrained(cfg, encoder, "text", "encoder"), tmp_path / "imported")
+    config.init_from = str(tmp_path / "imported")
+    run = loop.prepare(config, tmp_path / "glue", training=True)
+    fresh = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
+    loaded = state_lib.load_init_from(fresh, config.init_from, run.shardings)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)),
+                        loaded.params["encoder"], encoder)
+    assert jax.tree.leaves(same) and all(jax.tree.leaves(same))
+    assert np.array_equal(loaded.params["classifier"]["kernel"],
+                          fresh.params["classifier"]["kernel"])
+
+
 def test_stsb_regression_and_summaries():
     """STS-B uses one output and squared error; summaries compute the official metrics."""
     config = glue_config("stsb,bert_a", "tiny")

@@ -130,9 +130,20 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     return _flatten(loaded["params"]), model_cfg
 
 
+def encoder_rooted(loaded: dict[str, Any], model_keys: Any) -> dict[str, Any]:
+    """A bare text-encoder checkpoint (converter task 'encoder': keys ``['embeddings']...``)
+    seen from a task model holding its encoder under ``['encoder']`` (MLM, GLUE); other
+    checkpoints unchanged."""
+    if any(k in model_keys for k in loaded):
+        return loaded
+    prefixed = {f"['encoder']{k}": v for k, v in loaded.items()}
+    return prefixed if any(k in model_keys for k in prefixed) else loaded
+
+
 def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
                      pretrained_config: dict[str, Any]) -> tuple[Any, list[str]]:
-    """Replace leaves of ``params`` by ``loaded`` ones with the same path.
+    """Replace leaves of ``params`` by ``loaded`` ones with the same path (a bare text-encoder
+    checkpoint is first placed under ``['encoder']``, see ``encoder_rooted``).
 
     Same shape: taken as is. ViT ``pos_embedding`` with another token count: resampled to the
     new grid (bilinear, vit_jax convention; the [CLS] row, present when the model has a ``cls``
@@ -141,6 +152,7 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     Returns (params, log lines).
     """
     flat_shardings = _flatten(shardings)
+    loaded = encoder_rooted(loaded, flat_shardings)
     num_prefix_tokens = 1 if "['cls']" in flat_shardings else 0
     notes = []
     used = set()
