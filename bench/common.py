@@ -111,14 +111,20 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return median([a / b for a, b in zip(num, den)])
 
 
-def measure_peak_flops(n: int, reps: int = 5) -> dict[str, float]:
-    """Best fp32 FLOP/s of an (n × n) @ (n × n) matmul: jitted JAX and, if present, torch.
+def ratio_range(num: Sequence[float], den: Sequence[float]) -> str:
+    """'min–max' over paired runs of num[i] / den[i]."""
+    ratios = [a / b for a, b in zip(num, den)]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "—"
+
+
+def measure_peak_flops(n: int, dtype: str = "float32", reps: int = 5) -> dict[str, float]:
+    """Best FLOP/s of an (n × n) @ (n × n) matmul in ``dtype``: jitted JAX and, on CPU, torch.
 
     Returns {'jax': …, 'torch': …, 'peak': max}; 2n³ FLOPs per product. The best of ``reps``
     is the least disturbed by other processes on a shared machine.
     """
     flops = 2.0 * n ** 3
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda x, y: x @ y)
     block(mm(a, a))
     out = {"jax": flops / min(timed(lambda: block(mm(a, a))) for _ in range(reps))}
@@ -127,7 +133,7 @@ def measure_peak_flops(n: int, reps: int = 5) -> dict[str, float]:
     except ImportError:
         torch = None
     if torch is not None and jax.default_backend() == "cpu":
-        ta = torch.randn(n, n)
+        ta = torch.randn(n, n, dtype=getattr(torch, dtype))
         ta @ ta
         out["torch"] = flops / min(timed(lambda: ta @ ta) for _ in range(reps))
     out["peak"] = max(out.values())

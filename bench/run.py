@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 2 runs (CI)")
     p.add_argument("--gpu", action="store_true", help="real sizes in bf16 on a GPU")
     p.add_argument("--runs", type=int, default=0,
-                   help="timed runs per measurement (default 7 CPU, 5 GPU, 2 smoke)")
+                   help="timed rounds per measurement (default 5; 2 with --smoke)")
     p.add_argument("--budget", type=float, default=0.0,
                    help="wall-clock budget in seconds for all suites (0: none; --gpu: 600)")
     p.add_argument("--out", default="", help="also write the results to this .md or .json file")
@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("; ".join(problems))
     args.suites = [s for s in SUITES if s in (args.suites or SUITES)]
     if not args.runs:
-        args.runs = 2 if args.smoke else (5 if args.gpu else 7)
+        args.runs = 2 if args.smoke else 5
     if args.gpu and not args.budget and not args.smoke:
         args.budget = 600.0
     return args

@@ -11,7 +11,7 @@ import gc
 from typing import Any
 
 from bench.common import (Budget, Scale, Table, measure_peak_flops, median, median_ratio,
-                          timed)
+                          ratio_range, timed)
 from bench.workloads import HFTrainer, OursTrainer, Workload, throughput_workloads, train_flops
 
 TARGET_SPEEDUP = 1.3       # ours must train >= 1.3x faster than HF (CPU, fp32)
@@ -20,7 +20,7 @@ TARGET_TUPE = 1.05         # TUPE-R step time <= 1.05x BERT-A
 
 def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     """Tables: speed vs HF, MFU, overheads; stores ours examples/s in ``context``."""
-    peak = measure_peak_flops(512 if scale.smoke else (8192 if scale.gpu else 2048))
+    peak = measure_peak_flops(512 if scale.smoke else (8192 if scale.gpu else 2048), scale.dtype)
     workloads = throughput_workloads(scale.name, scale.dtype)
     groups = [[w for w in workloads if w.is_text], [w for w in workloads if not w.is_text]]
     results: dict[str, dict[str, Any]] = {}
@@ -34,8 +34,8 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     context["train_examples_per_s"] = {
         name: next(w.batch for w in workloads if w.name == name) / median(r["ours"])
         for name, r in results.items()}
-    return [_speed_table(workloads, results, skipped), _mfu_table(workloads, results, peak),
-            _overhead_table(workloads, results)]
+    return [_speed_table(workloads, results, skipped),
+            _mfu_table(workloads, results, peak, scale.dtype), _overhead_table(workloads, results)]
 
 
 def _measure_group(group: list[Workload], scale: Scale, budget: Budget
@@ -91,11 +91,13 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
                             "deberta_v2": "DebertaV2ForSequenceClassification",
                             "vit": "ViTForImageClassification"}[w.hf])
         rows.append([w.name, hf_name + ("" if r["same_hf_as"] == w.name else " †"),
-                     f"{w.batch} × {w.tokens}", f"{r['params'] / 1e6:.1f}M / {r['hf_params'] / 1e6:.1f}M",
+                     f"{w.batch} × {w.tokens}",
+                     f"{r['params'] / 1e6:.1f}M / {r['hf_params'] / 1e6:.1f}M",
                      1e3 * t_ours, 1e3 * t_hf, w.batch / t_ours, w.batch / t_hf, speedup,
-                     len(r["ours"]), "yes" if speedup >= TARGET_SPEEDUP else "no"])
-    notes = ["speed-up = median over rounds of t_HF / t_ours (> 1: ours is faster); "
-             f"target ≥ {TARGET_SPEEDUP}.",
+                     ratio_range(r["hf"], r["ours"]), len(r["ours"]),
+                     "yes" if speedup >= TARGET_SPEEDUP else "no"])
+    notes = ["speed-up = median over rounds of t_HF / t_ours (> 1: ours is faster), range = "
+             f"its min–max over the rounds; target ≥ {TARGET_SPEEDUP}.",
              "Step = forward + backward + AdamW update, classification cross-entropy, "
              "dropout as configured (text 0.1, ViT 0), compile and warm-up excluded.",
              "† " + "HF has no TUPE; its row reuses the HF BERT-A timings (absolute positions, "
@@ -108,12 +110,12 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
         notes.append(f"Not measured (time budget spent): {', '.join(skipped)}.")
     return Table("Train-step throughput: ours vs Hugging Face",
                  ["model", "HF counterpart", "batch × tokens", "params ours / HF",
-                  "ours ms/step", "HF ms/step", "ours ex/s", "HF ex/s", "speed-up", "rounds",
-                  "≥ 1.3×"], rows, notes)
+                  "ours ms/step", "HF ms/step", "ours ex/s", "HF ex/s", "speed-up", "range",
+                  "rounds", "≥ 1.3×"], rows, notes)
 
 
 def _mfu_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
-               peak: dict[str, float]) -> Table:
+               peak: dict[str, float], dtype: str) -> Table:
     rows = []
     for w in workloads:
         if w.name not in res:
@@ -128,8 +130,8 @@ def _mfu_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
     return Table("Model FLOPs utilisation",
                  ["model", "analytic GFLOP/step", "XLA-counted GFLOP/step", "ours GFLOP/s",
                   "ours MFU", "HF MFU", "ours compile s"], rows,
-                 [f"Peak = best large fp32 matmul measured in the same run: {peak['peak'] / 1e9:.0f} "
-                  f"GFLOP/s ({peaks} GFLOP/s).",
+                 [f"Peak = best large {dtype} matmul measured in the same run: "
+                  f"{peak['peak'] / 1e9:.0f} GFLOP/s ({peaks} GFLOP/s).",
                   "Analytic FLOPs: matmuls only, train = 3 × forward "
                   "(formula in bench/workloads.py:forward_flops); XLA-counted = the compiled "
                   "step's cost analysis (includes elementwise ops and the optimizer).",
@@ -152,8 +154,9 @@ def _overhead_table(workloads: list[Workload], res: dict[str, dict[str, Any]]) -
         hf = (median_ratio(res[name]["hf"], res[base]["hf"])
               if res[name]["same_hf_as"] == name else None)
         met = ("yes" if ours <= TARGET_TUPE else "no") if scheme == "tupe_r" else "—"
-        rows.append([label, ours, hf, res[name]["params"] / res[base]["params"], paper, target,
-                     met])
+        rows.append([label, ours, ratio_range(res[name]["ours"], res[base]["ours"]), hf,
+                     res[name]["params"] / res[base]["params"], paper, target, met])
     return Table("Position-scheme overheads (equal size, same batch)",
-                 ["step-time ratio", "ours", "HF", "params ratio", "paper", "target", "met"],
-                 rows, ["Median over rounds of the per-round step-time ratio."])
+                 ["step-time ratio", "ours", "ours range", "HF", "params ratio", "paper",
+                  "target", "met"],
+                 rows, ["Median (and min–max) over rounds of the per-round step-time ratio."])

@@ -164,7 +164,8 @@ def make_batch(w: Workload, seed: int = 0) -> dict[str, np.ndarray]:
                 "attention_mask": np.ones((w.batch, w.length), np.int32),
                 "labels": rng.integers(0, w.num_labels, (w.batch,), np.int32)}
     c = w.cfg
-    return {"images": rng.uniform(-1, 1, (w.batch, *c.image_size, c.num_channels)).astype(np.float32),
+    images = rng.uniform(-1, 1, (w.batch, *c.image_size, c.num_channels)).astype(np.float32)
+    return {"images": images,
             "labels": rng.integers(0, c.num_classes, (w.batch,), np.int32)}
 
 
@@ -274,7 +275,8 @@ def hf_model(w: Workload):
             pos_att_type=list(cfg.pos_att_type), position_biased_input=cfg.position_biased_input,
             type_vocab_size=cfg.type_vocab_size, layer_norm_eps=cfg.layer_norm_eps,
             hidden_dropout_prob=cfg.dropout_rate,
-            attention_probs_dropout_prob=cfg.attention_dropout_rate, pooler_dropout=cfg.dropout_rate,
+            attention_probs_dropout_prob=cfg.attention_dropout_rate,
+            pooler_dropout=cfg.dropout_rate,
             pooler_hidden_act=cfg.pooler_act, num_labels=w.num_labels)
         model = transformers.DebertaV2ForSequenceClassification(hc)
     elif w.hf == "vit":

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The benchmark suite at real sizes in bf16 on one GPU (ViT-B/16, DeBERTa-v3-base, TUPE-R and
+# BERT-A base vs Hugging Face; disentangled attention to L = 4096; compile time; input
+# pipelines), within a wall-clock budget (default 600 s: about 10 minutes in all).
+#
+#   bench/gpu.sh [OUT.md] [BUDGET_SECONDS]
+#
+# Needs a CUDA build of jax (pip install "jax[cuda12]==<the pinned jax version>") and of torch
+# on the GPU machine. Paste the tables from OUT.md into BENCHMARKS.md ("GPU" section).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-bench-gpu-results.md}"
+budget="${2:-600}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+exec python -m bench --gpu --budget "$budget" --out "$out"
