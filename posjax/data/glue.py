@@ -57,6 +57,8 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
+from posjax.data.common import (check_pipeline_call, ceil_div, eval_batches_per_shard,
+                                 stack_examples)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01
@@ -518,14 +520,6 @@ class GluePipeline:
     labelled: bool
 
 
-def _stack(examples: Sequence[Example]) -> Example:
-    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _mask_beyond(index: int, example: Example, num_real: int) -> Example:
     """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
     return example if index < num_real else dict(example, mask=np.bool_(False))
@@ -540,14 +534,7 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
     int32 (b,) (float32 for STS-B; 0 on test splits); ``idx`` int32 (b,); ``mask`` bool (b,).
     train=True: infinite, reshuffled each epoch; train=False: one pass, padded last batch.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split={split!r}: choose 'train' or 'test'")
-    if not (isinstance(batch_size, int) and batch_size > 0):
-        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
-    if not (isinstance(shard_count, int) and shard_count >= 1
-            and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
-        raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
-                         "0 <= shard_index < shard_count")
+    check_pipeline_call(split, batch_size, seed, shard_index, shard_count)
     validate_glue_data_config(cfg)
     task = get_task(cfg.task)
     spec = cfg.train_split if split == "train" else cfg.test_split
@@ -564,15 +551,15 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
     ds = grain.MapDataset.source(encoded)[shard_index::shard_count]
     if train:
         ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True,
-                                                  batch_fn=_stack)
+                                                  batch_fn=stack_examples)
         num_batches = None
     else:
         num_real = len(ds)
-        num_batches = _ceil_div(_ceil_div(len(encoded), shard_count), batch_size)
+        num_batches = eval_batches_per_shard(len(encoded), shard_count, batch_size)
         padded = num_batches * batch_size
-        ds = ds.repeat(_ceil_div(padded, num_real))[:padded].map_with_index(
+        ds = ds.repeat(ceil_div(padded, num_real))[:padded].map_with_index(
             functools.partial(_mask_beyond, num_real=num_real))
-        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack)
+        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=stack_examples)
     iter_ds = ds.to_iter_dataset()
     return GluePipeline(iter(iter_ds), iter_ds, len(encoded), num_batches, report,
                         labelled=not is_test_split(spec))

@@ -64,6 +64,7 @@ import numpy as np
 from absl import flags
 
 from posjax.data import sources
+from posjax.data.common import check_pipeline_call, ceil_div, eval_batches_per_shard
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -305,24 +306,6 @@ class ImagePipeline:
     num_batches: int | None
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_call(cfg, split, batch_size, seed, shard_index, shard_count) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"split={split!r}: choose 'train' or 'test'")
-    if not (isinstance(batch_size, int) and batch_size > 0):
-        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
-    if not (isinstance(seed, int) and 0 <= seed < 2**32):
-        raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32)")
-    if not (isinstance(shard_count, int) and shard_count >= 1
-            and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
-        raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
-                         "0 <= shard_index < shard_count (use jax.process_index/_count)")
-    validate_data_config(cfg)
-
-
 def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size: int,
                         seed: int, train: bool, shard_index: int = 0,
                         shard_count: int = 1) -> ImagePipeline:
@@ -333,7 +316,8 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     Stages: source -> shard -> (shuffle, repeat) -> per-example view (box, flip, mask)
     -> [resample] -> batch -> [resample] -> normalise -> [mixup] -> worker processes.
     """
-    _check_call(cfg, split, batch_size, seed, shard_index, shard_count)
+    check_pipeline_call(split, batch_size, seed, shard_index, shard_count)
+    validate_data_config(cfg)
     source, selected = open_split(cfg, cfg.train_split if split == "train" else cfg.test_split)
     height, width, channels = source.image_shape
     size = cfg.image_size
@@ -355,9 +339,9 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     elif train:
         ds = ds.shuffle().repeat().map(full_view)
     else:  # every shard pads to the same number of full batches
-        num_batches = _ceil_div(_ceil_div(len(selected), shard_count), batch_size)
+        num_batches = eval_batches_per_shard(len(selected), shard_count, batch_size)
         padded, num_real = num_batches * batch_size, len(ds)
-        ds = ds.repeat(_ceil_div(padded, num_real))[:padded].map_with_index(
+        ds = ds.repeat(ceil_div(padded, num_real))[:padded].map_with_index(
             functools.partial(eval_view, num_real=num_real))
 
     same_size = (height, width) == (size, size)

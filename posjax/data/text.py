@@ -74,6 +74,7 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
+from posjax.data.common import check_pipeline_call, eval_batches_per_shard, stack_examples
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
 
 Example = dict[str, Any]
@@ -539,25 +540,6 @@ def pack_spec(cfg: ml_collections.ConfigDict, tokenizer: TextTokenizer) -> PackS
     return PackSpec(int(cfg.max_seq_length), s.cls, s.sep, s.pad)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_call(batch_size: int, seed: int, shard_index: int, shard_count: int) -> None:
-    if not (isinstance(batch_size, int) and batch_size > 0):
-        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
-    if not (isinstance(seed, int) and 0 <= seed < 2**32):
-        raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32)")
-    if not (isinstance(shard_count, int) and shard_count >= 1
-            and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
-        raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
-                         "0 <= shard_index < shard_count (use jax.process_index/_count)")
-
-
-def _stack(examples: Sequence[Example]) -> Example:
-    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-
-
 def pack_documents(documents: grain.MapDataset, tokenizer: TextTokenizer, spec: PackSpec,
                    unk_marker: str = "") -> list[Example]:
     """Pack a whole (finite) document source in order: the list of packed sequences."""
@@ -574,9 +556,7 @@ def make_mlm_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size:
     train=True: infinite stream of full batches (shard's documents reshuffled per epoch).
     train=False: one pass over the packed test split, last batch padded with mask=False.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split={split!r}: choose 'train' or 'test'")
-    _check_call(batch_size, seed, shard_index, shard_count)
+    check_pipeline_call(split, batch_size, seed, shard_index, shard_count)
     validate_mlm_data_config(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, lowercase=bool(cfg.lowercase))
     documents = open_documents(cfg, cfg.train_split if split == "train" else cfg.test_split)
@@ -590,18 +570,18 @@ def make_mlm_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size:
         docs = documents[shard_index::shard_count].shuffle(seed=seed).repeat().map(encode)
         ds = PackIterDataset(docs.to_iter_dataset(), pack)
         ds = ds.map(functools.partial(seeded_mask, spec=masking, seed=(seed, shard_index)))
-        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack)
+        ds = ds.batch(batch_size, drop_remainder=True, batch_fn=stack_examples)
         return TextPipeline(iter(ds), ds, num_docs, None, tokenizer)
     sequences = pack_documents(documents, tokenizer, pack, cfg.unk_marker)
     if len(sequences) < shard_count:
         raise ValueError(f"data.test_split={cfg.test_split!r} packs into {len(sequences)} "
                          f"sequences, fewer than shard_count={shard_count}; widen the split")
     mine = sequences[shard_index::shard_count]
-    num_batches = _ceil_div(_ceil_div(len(sequences), shard_count), batch_size)
+    num_batches = eval_batches_per_shard(len(sequences), shard_count, batch_size)
     padded = [dict(e, real=True) for e in mine]
     padded += [dict(mine[i % len(mine)], real=False)
                for i in range(num_batches * batch_size - len(mine))]
     ds = grain.MapDataset.source(padded).map(
         functools.partial(seeded_mask, spec=masking, seed=(seed,)))
-    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset()
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=stack_examples).to_iter_dataset()
     return TextPipeline(iter(ds), ds, len(sequences), num_batches, tokenizer)

@@ -80,18 +80,8 @@ def mlm_head_flops(cfg: TextConfig, predictions: int, length: int) -> float:
     return total
 
 
-# ----------------------------------------------------------------------------- MLM
-
-
-@register_task
-class MaskedLanguageModel(Task):
-    """Masked-LM pretraining (BERT-A/R, TUPE-A/R, DeBERTa with EMD) on packed, masked text.
-
-    Batch: ``posjax.data.text`` (input_ids, attention_mask, token_type_ids (B, L); masked_*
-    (B, M); mask (B,)). Config: ``model`` (TextConfig), ``data`` (MLM data config).
-    """
-
-    name = "mlm"
+class _TextTask(Task):
+    """What MLM and GLUE share: the TextConfig and the tokenizer named by the data config."""
 
     @property
     def model_config(self) -> TextConfig:
@@ -102,11 +92,30 @@ class MaskedLanguageModel(Task):
         data = self.config.data
         return load_tokenizer(data.tokenizer, lowercase=bool(data.lowercase))
 
-    def validate(self) -> None:
+    def check_model(self) -> TextConfig:
+        """Tokenizer ids and data.max_seq_length must fit the model's tables."""
         cfg = self.model_config
-        text_data.validate_mlm_data_config(self.config.data)
         check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
                          "data.max_seq_length")
+        return cfg
+
+
+# ----------------------------------------------------------------------------- MLM
+
+
+@register_task
+class MaskedLanguageModel(_TextTask):
+    """Masked-LM pretraining (BERT-A/R, TUPE-A/R, DeBERTa with EMD) on packed, masked text.
+
+    Batch: ``posjax.data.text`` (input_ids, attention_mask, token_type_ids (B, L); masked_*
+    (B, M); mask (B,)). Config: ``model`` (TextConfig), ``data`` (MLM data config).
+    """
+
+    name = "mlm"
+
+    def validate(self) -> None:
+        text_data.validate_mlm_data_config(self.config.data)
+        self.check_model()
 
     def build_model(self) -> nn.Module:
         return TextForMaskedLM(self.model_config)
@@ -176,7 +185,7 @@ class MaskedLanguageModel(Task):
 
 
 @register_task
-class Glue(Task):
+class Glue(_TextTask):
     """GLUE fine-tuning: classification (cross-entropy) or STS-B regression (squared error).
 
     Batch: ``posjax.data.glue`` (input_ids, attention_mask, token_type_ids (B, L); label (B,)
@@ -187,23 +196,12 @@ class Glue(Task):
     name = "glue"
 
     @property
-    def model_config(self) -> TextConfig:
-        return TextConfig.from_dict(_to_dict(self.config.model))
-
-    @property
     def glue_task(self) -> glue_data.GlueTask:
         return glue_data.get_task(self.config.data.task)
 
-    @functools.cached_property
-    def tokenizer(self) -> TextTokenizer:
-        data = self.config.data
-        return load_tokenizer(data.tokenizer, lowercase=bool(data.lowercase))
-
     def validate(self) -> None:
-        cfg = self.model_config
         glue_data.validate_glue_data_config(self.config.data)
-        check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
-                         "data.max_seq_length")
+        cfg = self.check_model()
         if cfg.use_emd:
             raise ValueError("model.use_emd=True is an MLM decoder: set it to False for GLUE")
 

@@ -1,0 +1,36 @@
+"""Pieces every input pipeline (images, MLM text, GLUE) shares."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+Example = dict[str, np.ndarray]
+
+
+def check_pipeline_call(split: str, batch_size: int, seed: int, shard_index: int,
+                        shard_count: int) -> None:
+    """One ValueError naming the argument when a pipeline is asked for something impossible."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}: choose 'train' or 'test'")
+    if not (isinstance(batch_size, int) and batch_size > 0):
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer")
+    if not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ValueError(f"seed={seed!r}: must be an integer in [0, 2**32)")
+    if not (isinstance(shard_count, int) and shard_count >= 1
+            and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
+        raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
+                         "0 <= shard_index < shard_count (use jax.process_index/_count)")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def eval_batches_per_shard(num_examples: int, shard_count: int, batch_size: int) -> int:
+    """Batches of one evaluation pass, equal on every shard (the short shards pad)."""
+    return ceil_div(ceil_div(num_examples, shard_count), batch_size)
+
+
+def stack_examples(examples: Sequence[Example]) -> Example:
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
