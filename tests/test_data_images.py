@@ -186,15 +186,17 @@ def test_random_resized_crop_boxes_respect_scale_and_ratio():
                                   [0, 0, 1, 100])
 
 
-def test_mixup_mixes_images_and_one_hot_labels_with_the_reversed_batch():
+def test_mixup_mixes_each_pair_of_rows_images_and_one_hot_labels():
     rng = np.random.default_rng(0)
-    batch = {"image": rng.normal(size=(4, 2, 2, 1)).astype(np.float32),
-             "label": np.array([0, 1, 2, 1], np.int32), "mask": np.ones(4, bool)}
+    batch = {"image": rng.normal(size=(5, 2, 2, 1)).astype(np.float32),
+             "label": np.array([0, 1, 2, 1, 2], np.int32), "mask": np.ones(5, bool)}
     out = images.mixup(batch, np.random.default_rng(7), alpha=0.5, num_classes=3)
     lam = np.random.default_rng(7).beta(0.5, 0.5)
+    partner = [1, 0, 3, 2, 4]   # rows 2k <-> 2k+1; the odd last row keeps itself
     np.testing.assert_allclose(out["image"], lam * batch["image"]
-                               + (1 - lam) * batch["image"][::-1], rtol=1e-5)
+                               + (1 - lam) * batch["image"][partner], rtol=1e-5)
     np.testing.assert_allclose(out["label_soft"][0], [lam, 1 - lam, 0], rtol=1e-5)
+    np.testing.assert_allclose(out["label_soft"][4], [0, 0, 1], rtol=1e-6)
     np.testing.assert_allclose(out["label_soft"].sum(1), 1, rtol=1e-6)
     assert out["image"].dtype == out["label_soft"].dtype == np.float32
 
@@ -241,9 +243,11 @@ def test_augmented_batches_depend_only_on_the_seed():
 
 def test_worker_processes_give_the_same_batches():
     cfg = digits_augmented()
-    want = take(make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True), 4)
+    shard = {"shard_index": 1, "shard_count": 2}
+    want = take(make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True,
+                                    **shard), 4)
     cfg.worker_count = 2
-    pipe = make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True)
+    pipe = make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True, **shard)
     try:
         got = [{k: np.array(v) for k, v in b.items()} for b in take(pipe, 4)]
     finally:
@@ -264,9 +268,31 @@ def test_eval_is_one_padded_pass_and_shards_are_disjoint(tmp_path):
     seen = [[i for b in p.iterator for i in ids(b)] for p in shards]
     assert {p.num_batches for p in shards} == {2}  # 11 -> 4, 4, 3 examples; 2 batches each
     assert seen == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
-    train = [take(make_image_pipeline(cfg, split="train", batch_size=5, seed=0, train=True,
-                                      shard_index=s, shard_count=2), 1)[0] for s in range(2)]
-    assert sorted(ids(train[0])) == [0, 2, 4, 6, 8] and sorted(ids(train[1])) == [1, 3, 5, 7, 9]
+
+
+def test_global_batches_do_not_depend_on_the_shard_count():
+    """Shards 0 and 1 of 2 (batch 8 each) concatenate to the 1-shard batch of 16, bit for bit,
+    with crop, flip and mixup on (epoch boundaries: next test)."""
+    cfg = digits_augmented()
+    whole = take(make_image_pipeline(cfg, split="train", batch_size=16, seed=4, train=True), 3)
+    halves = [take(make_image_pipeline(cfg, split="train", batch_size=8, seed=4, train=True,
+                                       shard_index=s, shard_count=2), 3) for s in range(2)]
+    joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)]
+    assert same_batches(whole, joined)
+    with pytest.raises(ValueError, match="mixup_alpha=0.4: .* even batch, not 3"):
+        make_image_pipeline(cfg, split="train", batch_size=3, seed=0, train=True,
+                            shard_index=0, shard_count=2)
+
+
+def test_train_shards_take_their_rows_of_each_global_batch(tmp_path):
+    cfg = indexed_npz(tmp_path)
+    whole = [ids(b) for b in take(make_image_pipeline(cfg, split="train", batch_size=4,
+                                                      seed=0, train=True), 5)]
+    shards = [[ids(b) for b in take(make_image_pipeline(cfg, split="train", batch_size=2,
+                                                        seed=0, train=True, shard_index=s,
+                                                        shard_count=2), 5)] for s in range(2)]
+    assert [list(w[:2]) for w in whole] == [list(b) for b in shards[0]]
+    assert [list(w[2:]) for w in whole] == [list(b) for b in shards[1]]
 
 
 def test_iterator_checkpoint_restores_the_stream(tmp_path):

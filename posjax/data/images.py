@@ -23,10 +23,12 @@ random_resized_crop  train only: crop a random box of area fraction in ``crop_sc
 crop_scale           (min, max) area fraction of the random crop, within (0, 1]
 crop_ratio           (min, max) aspect ratio w/h of the random crop
 flip                 train only: mirror left-right with probability 1/2
-mixup_alpha          train only: 0 = off; else one lam ~ Beta(a, a) per batch and
-                     x = lam x + (1 - lam) x[::-1] over the batch; the batch then also has
-                     ``label_soft`` float32 (b, num_classes) = the same mix of one-hot labels
-                     (``label`` keeps the unmixed integer label)
+mixup_alpha          train only: 0 = off; else one lam ~ Beta(a, a) per global batch and
+                     each pair of rows (2k, 2k+1) of the global batch is mixed,
+                     x_2k = lam x_2k + (1 - lam) x_2k+1 and x_2k+1 = lam x_2k+1 + (1 - lam) x_2k;
+                     the batch then also has ``label_soft`` float32 (b, num_classes) = the same
+                     mix of one-hot labels (``label`` keeps the unmixed integer label). With
+                     several processes the per-process batch must be even (pairs stay local)
 mean, std            per-channel (or one shared) normalisation of pixels scaled to [0, 1]:
                      x = (pixel / 255 - mean) / std
 worker_count         Grain worker processes (0 = read in the main process); results do not
@@ -34,13 +36,20 @@ worker_count         Grain worker processes (0 = read in the main process); resu
 ==================== ========================================================================
 
 Batches are dicts ``{'image': float32 (b, S, S, C), 'label': int32 (b,), 'mask': bool (b,)}``.
-Training iterators are infinite and reshuffled each epoch; evaluation iterators make one pass
-over the split, padding the last batch with ``mask=False`` examples so that every shard yields
-the same number of full batches. Each shard ``i`` of ``n`` reads examples ``i, i+n, i+2n, ...``.
 
-Determinism: Grain derives the shuffle order from (seed, epoch) and each example's augmentation
-RNG from (seed, position in the repeated stream), so batches depend only on the seed, never on
-``worker_count``. Mixup draws one RNG per batch from (seed, batch number).
+Training: one GLOBAL stream of examples, independent of how many processes read it. Position g
+of the stream is example ``perm_e[g mod N]`` of the N selected examples, with ``perm_e`` Grain's
+permutation for (seed, epoch e = g div N). Global batch t is positions [t·B, (t+1)·B) (B =
+``batch_size · shard_count``); shard ``i`` of ``n`` yields rows [i·b, (i+1)·b) of every global
+batch (b = ``batch_size``), so the global batch at step t is the same bit for bit for any number
+of processes. Each example's augmentation RNG is ``numpy.random.default_rng([seed, 0, g])``
+and mixup's of global batch t is ``default_rng([seed, 1, t])``: batches depend only on the seed
+and the global batch size, never on ``shard_count`` or ``worker_count``. The iterator is a
+Grain index over a random-access dataset, so its state is checkpointable.
+
+Evaluation: one pass over the split, no augmentation; shard ``i`` reads examples ``i, i+n,
+i+2n, ...`` and pads its last batch with ``mask=False`` examples so every shard yields the same
+number of full batches.
 
 Resampling convention: output pixel centre ``i + 1/2`` of S maps to source coordinate
 ``y0 + (i + 1/2) h / S - 1/2`` inside the box (y0, x0, h, w) (half-pixel centres, as in
@@ -278,13 +287,38 @@ def finish_batch(batch: Example, *, mean: np.ndarray, std: np.ndarray) -> Exampl
             "mask": batch["mask"].astype(bool)}
 
 
+def pair_partners(size: int) -> np.ndarray:
+    """Row 2k <-> 2k+1 (an odd last row is its own partner): int (size,)."""
+    partners = np.arange(size) ^ 1
+    return np.where(partners < size, partners, np.arange(size))
+
+
 def mixup(batch: Example, rng: np.random.Generator, *, alpha: float,
           num_classes: int) -> Example:
-    """lam ~ Beta(alpha, alpha); image and one-hot label mixed with the reversed batch."""
+    """lam ~ Beta(alpha, alpha); image and one-hot label mixed with the partner row (2k <-> 2k+1).
+
+    Pairs never straddle two processes' rows when each process holds an even number of rows.
+    """
     lam = np.float32(rng.beta(alpha, alpha))
+    partner = pair_partners(len(batch["label"]))
     onehot = np.eye(num_classes, dtype=np.float32)[batch["label"]]
-    return {**batch, "image": lam * batch["image"] + (1 - lam) * batch["image"][::-1],
-            "label_soft": lam * onehot + (1 - lam) * onehot[::-1]}
+    return {**batch, "image": lam * batch["image"] + (1 - lam) * batch["image"][partner],
+            "label_soft": lam * onehot + (1 - lam) * onehot[partner]}
+
+
+def example_rng(seed: int, stream: int, index: int) -> np.random.Generator:
+    """The RNG of item ``index`` of a random stream (0: example views, 1: mixup batches)."""
+    return np.random.default_rng([seed, stream, index])
+
+
+def indexed_train_view(position: int, example: Example, *, seed: int, **view) -> Example:
+    """``train_view`` with the RNG of global stream position ``position``."""
+    return train_view(example, example_rng(seed, 0, position), **view)
+
+
+def indexed_mixup(batch_index: int, batch: Example, *, seed: int, **options) -> Example:
+    """``mixup`` with the RNG of global batch ``batch_index``."""
+    return mixup(batch, example_rng(seed, 1, batch_index), **options)
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -311,13 +345,20 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
                         shard_count: int = 1) -> ImagePipeline:
     """The Grain pipeline of ``cfg.train_split`` or ``cfg.test_split`` for one shard.
 
-    train=True: infinite, reshuffled each epoch, augmented, full batches of ``batch_size``.
-    train=False: one pass, no augmentation, last batch padded with mask=False.
-    Stages: source -> shard -> (shuffle, repeat) -> per-example view (box, flip, mask)
-    -> [resample] -> batch -> [resample] -> normalise -> [mixup] -> worker processes.
+    ``batch_size`` is this shard's: train batches are rows [i·b, (i+1)·b) of global batches of
+    b·n examples (module docstring). train=True: infinite, reshuffled each epoch, augmented.
+    train=False: one pass over this shard's examples, last batch padded with mask=False.
+    Train stages: source -> (shuffle, repeat) -> per-example view (box, flip, mask) keyed by
+    global position -> [resample] -> batch -> this shard's batches -> [resample] -> normalise
+    -> [mixup] -> worker processes.
     """
     check_pipeline_call(split, batch_size, seed, shard_index, shard_count)
     validate_data_config(cfg)
+    if train and cfg.mixup_alpha > 0 and shard_count > 1 and batch_size % 2:
+        raise ValueError(f"data.mixup_alpha={cfg.mixup_alpha}: mixup pairs rows 2k, 2k+1 of the "
+                         f"global batch, so each of the {shard_count} processes needs an even "
+                         f"batch, not {batch_size}; make batch_size a multiple of "
+                         f"{2 * shard_count}")
     source, selected = open_split(cfg, cfg.train_split if split == "train" else cfg.test_split)
     height, width, channels = source.image_shape
     size = cfg.image_size
@@ -328,17 +369,17 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
         raise ValueError(f"data.{split}_split selects {len(selected)} examples, fewer than "
                          f"shard_count={shard_count}; select more examples")
 
-    shard = slice(selected.start + shard_index, selected.stop, shard_count)
-    ds = grain.MapDataset.source(source)[shard].seed(seed)
+    ds = grain.MapDataset.source(source)
     augment = train and (cfg.random_resized_crop or cfg.flip)
     num_batches = None
-    if augment:
-        ds = ds.shuffle().repeat().random_map(functools.partial(
-            train_view, crop=cfg.random_resized_crop, flip=cfg.flip,
-            scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio)))
-    elif train:
-        ds = ds.shuffle().repeat().map(full_view)
+    if train:   # the global stream; views keyed by global position
+        ds = ds[selected.start:selected.stop].shuffle(seed=seed).repeat()
+        ds = ds.map_with_index(functools.partial(
+            indexed_train_view, seed=seed, crop=cfg.random_resized_crop, flip=cfg.flip,
+            scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio))) if augment \
+            else ds.map(full_view)
     else:  # every shard pads to the same number of full batches
+        ds = ds[selected.start + shard_index:selected.stop:shard_count]
         num_batches = eval_batches_per_shard(len(selected), shard_count, batch_size)
         padded, num_real = num_batches * batch_size, len(ds)
         ds = ds.repeat(ceil_div(padded, num_real))[:padded].map_with_index(
@@ -348,13 +389,16 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     if height is None:  # images differ in size: resize each before batching
         ds = ds.map(functools.partial(resample_example, size=size))
     ds = ds.batch(batch_size, drop_remainder=True)
+    if train:   # batch k of b rows is rows [i·b, (i+1)·b) of global batch k div n, i = k mod n
+        ds = ds[shard_index::shard_count]
     if height is not None and (augment or not same_size):
         ds = ds.map(functools.partial(resample_batch, size=size))
     ds = ds.map(functools.partial(finish_batch, mean=np.float32(cfg.mean),
                                   std=np.float32(cfg.std)))
     if train and cfg.mixup_alpha > 0:
-        ds = ds.random_map(functools.partial(mixup, alpha=float(cfg.mixup_alpha),
-                                             num_classes=source.num_classes))
+        ds = ds.map_with_index(functools.partial(indexed_mixup, seed=seed,
+                                                 alpha=float(cfg.mixup_alpha),
+                                                 num_classes=source.num_classes))
 
     iter_ds = ds.to_iter_dataset()
     if cfg.worker_count > 0:
