@@ -77,8 +77,8 @@ def test_masking_statistics_and_determinism():
     counts = {"mask": 0, "random": 0, "keep": 0}
     chosen_total = candidates_total = 0
     for s in seqs:
-        out = text.seeded_mask(s, spec, (7,))
-        again = text.seeded_mask(s, spec, (7,))
+        out = text.seeded_mask(s, spec, 7)
+        again = text.seeded_mask(s, spec, 7)
         assert all(np.array_equal(out[k], again[k]) for k in out)
         k = int(out["masked_weights"].sum())
         n_cand = int(((s["input_ids"] >= 10) & (np.arange(48) < s["length"])).sum())
@@ -103,8 +103,8 @@ def test_masking_statistics_and_determinism():
     # "keep" also holds random draws that hit the original id (1/55 of 10%).
     assert abs(counts["random"] / total - 0.1 * 54 / 55) < 0.02
     assert abs(chosen_total / candidates_total - 0.15) < 0.01
-    a = text.seeded_mask(seqs[0], spec, (7,))
-    b = text.seeded_mask(dict(seqs[0], index=np.int64(1)), spec, (7,))
+    a = text.seeded_mask(seqs[0], spec, 7)
+    b = text.seeded_mask(dict(seqs[0], index=np.int64(1)), spec, 7)
     assert not np.array_equal(a["masked_positions"], b["masked_positions"])
 
 
@@ -112,7 +112,7 @@ def test_whole_word_masking_takes_whole_words():
     seqs = pack(fake_docs([60] * 50, seed=2), 64)
     spec = masking_spec(whole_word=True, m=12)
     for s in seqs:
-        out = text.seeded_mask(s, spec, (0,))
+        out = text.seeded_mask(s, spec, 0)
         k = int(out["masked_weights"].sum())
         chosen = set(out["masked_positions"][:k].tolist())
         cand = np.flatnonzero(np.arange(64) < s["length"])
@@ -146,7 +146,7 @@ def test_wikitext_train_batches_and_resume(wikitext_cfg):
     tok = p.tokenizer
     unk_pieces = [tok._backend.token_to_id(t) for t in ("<", "un", "##k", ">")]
     states, batches = [], []
-    for _ in range(40):                       # past the first epoch of this shard (150 docs)
+    for _ in range(40):                       # 40 global batches of 8: past one epoch
         states.append(json.loads(json.dumps(p.iterator.get_state())))   # as a checkpoint would
         batches.append(next(p.iterator))
     seen_unk = False
@@ -165,6 +165,28 @@ def test_wikitext_train_batches_and_resume(wikitext_cfg):
         for j in range(i, min(i + 4, 40)):
             b = next(fresh.iterator)
             assert all(np.array_equal(b[k], batches[j][k]) for k in b), (i, j)
+
+
+def test_wikitext_global_batches_do_not_depend_on_the_shard_count(wikitext_cfg):
+    """Shards 0 and 1 of 2 (4 rows each) concatenate to the 1-shard batch of 8, bit for bit
+    (tokens and masks), across the first epoch boundary."""
+    tokenizer = text.load_tokenizer(wikitext_cfg.tokenizer, lowercase=True)
+    per_epoch = len(text.pack_documents(text.open_documents(wikitext_cfg, "valid[:300]"),
+                                        tokenizer, text.pack_spec(wikitext_cfg, tokenizer),
+                                        wikitext_cfg.unk_marker))
+    steps = per_epoch // 8 + 2
+
+    def batches(batch_size, shard_index, shard_count):
+        p = text.make_mlm_pipeline(wikitext_cfg, split="train", batch_size=batch_size, seed=5,
+                                   train=True, shard_index=shard_index,
+                                   shard_count=shard_count, tokenizer=tokenizer)
+        return [next(p.iterator) for _ in range(steps)]
+
+    whole = batches(8, 0, 1)
+    halves = [batches(4, i, 2) for i in range(2)]
+    for w, a, b in zip(whole, *halves):
+        for k in w:
+            np.testing.assert_array_equal(w[k], np.concatenate([a[k], b[k]]))
 
 
 def test_wikitext_eval_shards_cover_the_split(wikitext_cfg):
