@@ -60,10 +60,9 @@ Packing is sequential (where a sequence ends depends on every earlier document),
 process tokenises and packs the whole global stream and drops (before masking) the other
 processes' rows. The price: each process tokenises the documents of the whole global batch
 (measured here ~150k tokens/s on one loaded CPU core, WikiText-2 with BERT's WordPiece: ~0.2 s
-for a 256 x 128-token global batch, which the input thread overlaps with the device step only
-if it keeps up). In exchange batches do not depend on the process count, and the state is one
-position in the document stream (which document, the offset inside it, sequences emitted),
-checkpointable and equal on every process.
+for a 256 x 128-token global batch, on every process, every step). In exchange batches do
+not depend on the process count, and the state is one position in the document stream (which
+document, the offset inside it, sequences emitted), checkpointable and equal on every process.
 
 Evaluation packs the whole test split once in memory (the same on every process), then shard
 ``i`` takes sequences ``i, i+n, ...``, with the last batch padded (``mask=False``) so every
