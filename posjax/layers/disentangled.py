@@ -18,6 +18,7 @@ import numpy as np
 
 from posjax.layers import positions
 from posjax.layers.attention import (attention_weights, combine_heads, content_logits, dense)
+from posjax.layers.dropout import Dropout
 
 Array = jax.Array
 
@@ -163,7 +164,7 @@ class DisentangledAttention(nn.Module):
         span = self.effective_span(num_keys)
         if self.v1 and self.grid is None:   # centre the table on the rows actually used
             rel_table = rel_table[self.span - span: self.span + span]
-        rel_table = nn.Dropout(self.dropout_rate)(rel_table, deterministic=not train)
+        rel_table = Dropout(self.dropout_rate)(rel_table, deterministic=not train)
         index = self.relative_index(x_q.shape[1], num_keys, query_positions)
         if "c2p" in self.pos_att_type:
             pos_key = key if self.share_att_key else dense(
@@ -183,7 +184,7 @@ class DisentangledAttention(nn.Module):
                     logits = logits + _p2c_dynamic(p2c, idx) * scale
         weights = attention_weights(logits, mask)
         self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
-        weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
+        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
         out = combine_heads(weights, v, self.dtype)
         return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                      axis=(-2, -1))(out)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.layers.attention import ACTIVATIONS, DEFAULT_INIT, dense, layer_norm
+from posjax.layers.dropout import Dropout
 from posjax.models.config import TextConfig
 from posjax.models.encoder import DEBERTA, Encoder, compute_dtype
 
@@ -45,7 +46,7 @@ class TextEmbeddings(nn.Module):
             self.embed_proj = dense(cfg.hidden_size, ("embed_in", "embed"), name="embed_proj",
                                     dtype=compute_dtype(cfg), use_bias=False)
         self.norm = layer_norm(cfg.layer_norm_eps, name="norm", dtype=compute_dtype(cfg))
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        self.dropout = Dropout(cfg.dropout_rate)
 
     @property
     def has_position_table(self) -> bool:
@@ -176,9 +177,9 @@ class TextForSequenceClassification(nn.Module):
                  token_type_ids: Array | None = None, *, train: bool = False) -> Array:
         cfg = self.cfg
         h = TextEncoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, train=train)
-        x = nn.Dropout(cfg.dropout_rate)(h[:, 0], deterministic=not train)
+        x = Dropout(cfg.dropout_rate)(h[:, 0], deterministic=not train)
         x = dense(cfg.hidden_size, ("embed", "mlp"), name="pooler", dtype=compute_dtype(cfg))(x)
         x = ACTIVATIONS[cfg.pooler_act](x)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=not train)
         return dense(self.num_labels, ("mlp", None), name="classifier",
                      dtype=jnp.float32)(x.astype(jnp.float32))

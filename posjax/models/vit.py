@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.layers.attention import DEFAULT_INIT, Mlp, MultiHeadAttention, dense, layer_norm
+from posjax.layers.dropout import Dropout
 from posjax.models.config import ViTConfig
 from posjax.models.encoder import Encoder, compute_dtype
 
@@ -130,7 +131,7 @@ class ViT(nn.Module):
             pos = self.param("pos_embedding", nn.with_logical_partitioning(
                 DEFAULT_INIT, (None, "pos", "embed")), (1, x.shape[1], c), jnp.float32)
             x = x + pos.astype(dtype)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=not train)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=not train)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         token_mask = jnp.ones(x.shape[:2], bool)
         x = Encoder(cfg, pre_ln=True, grid=(gh, gw), has_cls=has_cls, name="encoder")(
