@@ -6,20 +6,25 @@ gathers are ignored, as is usual for MFU. With T tokens, H hidden, M MLP width:
 * patch embedding: 2 · N · (p_h p_w C) · H, N = number of patches;
 * per layer: Q, K, V and output projections 2 · T · H · 4H; attention scores Q Kᵀ 2 · T² · H;
   weights × V 2 · T² · H; MLP 2 · T · 2HM;
-* position terms:
+* position terms (``position_flops``):
   - ``vit``/``bert_abs``/``bert_rel``/``tupe_r``'s T5 part: additions and gathers only, 0;
-  - TUPE, once per forward on the (T+1, H) table: projections 2 · 2(T+1)H², correlation
-    2 · (T+1)² · H;
+  - TUPE, once per forward on the (T+1, H) table, whatever the batch: projections
+    2 · 2(T+1)H², correlation 2 · (T+1)² · H (PER STEP);
   - DeBERTa, per layer and per term (c2p, p2c) on the R-row relative table: projection
-    2 · R · H², product with the content queries/keys 2 · T · R · H (R = axes · 2k);
+    2 · R · H² once per forward (PER STEP), product with each example's content queries/keys
+    2 · T · R · H (per example) (R = axes · 2k);
 * heads: ``map`` probe attention (1 query over T keys: 2H² + 2·T·2H² + 2·2·T·H + 2H² + 2·2HM),
   ``pre_logits`` 2 · H · R_rep, classifier 2 · H · classes;
 * hybrid ResNet stem: 2 · out_h · out_w · k² · C_in · C_out per convolution.
 
-Training FLOPs = 3 × forward (the backward pass costs two forwards; rematerialisation is not
-counted, so MFU measures useful work).
+Counts are ``Flops(per_example, per_step)``: a batch of B examples costs
+``B · per_example + per_step`` (``Flops.total``), the per-step part being the work on
+position tables that every example shares. Training FLOPs = 3 × forward (the backward pass
+costs two forwards; rematerialisation is not counted, so MFU measures useful work).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.encoder import relative_span
@@ -27,37 +32,60 @@ from posjax.models.encoder import relative_span
 TRAIN_FACTOR = 3.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """FLOPs of a batch: ``per_example`` scales with the batch size, ``per_step`` (work on
+    tables shared by every example) does not."""
+
+    per_example: float = 0.0
+    per_step: float = 0.0
+
+    def total(self, batch: int) -> float:
+        """B · per_example + per_step."""
+        return batch * self.per_example + self.per_step
+
+    def __add__(self, other: "Flops") -> "Flops":
+        return Flops(self.per_example + other.per_example, self.per_step + other.per_step)
+
+    def scaled(self, factor: float) -> "Flops":
+        """Both parts times ``factor`` (e.g. ``TRAIN_FACTOR``, or a share of the layers)."""
+        return Flops(factor * self.per_example, factor * self.per_step)
+
+
 def attention_layer_flops(tokens: int, hidden: int, mlp_dim: int) -> float:
-    """One Transformer block without position terms: projections, scores, A·V, MLP."""
+    """One Transformer block on one example, without position terms: projections, scores,
+    A·V, MLP."""
     t, h = tokens, hidden
     return 2.0 * t * h * 4 * h + 2.0 * 2 * t * t * h + 2.0 * t * 2 * h * mlp_dim
 
 
-def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> float:
+def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> Flops:
     """Matmul FLOPs of the position terms over the whole forward (all layers)."""
     h = cfg.hidden_size
     scheme = cfg.position_scheme
     if scheme in ("tupe_a", "tupe_r"):
         rows = tokens + 1
-        return 2.0 * 2 * rows * h * h + 2.0 * rows * rows * h
+        return Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
     if scheme in ("deberta", "deberta_v2"):
         span = relative_span(cfg)
         if scheme == "deberta" and axes == 1:
             span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
         rows = axes * 2 * span
-        per_term = 2.0 * rows * h * h + 2.0 * tokens * rows * h
-        return cfg.num_layers * len(cfg.pos_att_type) * per_term
-    return 0.0
+        terms = cfg.num_layers * len(cfg.pos_att_type)
+        return Flops(per_example=terms * 2.0 * tokens * rows * h,
+                     per_step=terms * 2.0 * rows * h * h)
+    return Flops()
 
 
-def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> float:
+def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> Flops:
     """Layer stack plus position terms for ``tokens`` tokens (``axes``: 2 on an image grid)."""
-    return (cfg.num_layers * attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim)
-            + position_flops(cfg, tokens, axes))
+    layers = cfg.num_layers * attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim)
+    return Flops(per_example=layers) + position_flops(cfg, tokens, axes)
 
 
 def resnet_stem_flops(cfg: ViTConfig) -> float:
-    """Convolutions of the hybrid ResNet-v2 stem (root conv 7×7/2, max-pool /2, bottlenecks)."""
+    """Convolutions of the hybrid ResNet-v2 stem (root conv 7×7/2, max-pool /2, bottlenecks),
+    per image."""
     if not cfg.resnet_layers:
         return 0.0
     conv = lambda hw, k, cin, cout: 2.0 * hw[0] * hw[1] * k * k * cin * cout
@@ -77,38 +105,39 @@ def resnet_stem_flops(cfg: ViTConfig) -> float:
     return total
 
 
-def vit_forward_flops(cfg: ViTConfig) -> float:
-    """Forward FLOPs of one image through ``posjax.models.vit.ViT``."""
+def vit_forward_flops(cfg: ViTConfig) -> Flops:
+    """Forward FLOPs through ``posjax.models.vit.ViT`` (per image + per step)."""
     h = cfg.hidden_size
     gh, gw = cfg.grid_size
     patches = gh * gw
     in_channels = cfg.resnet_width * 4 * 2 ** (len(cfg.resnet_layers) - 1) if cfg.resnet_layers \
         else cfg.num_channels
-    total = resnet_stem_flops(cfg)
-    total += 2.0 * patches * cfg.patch_size[0] * cfg.patch_size[1] * in_channels * h
-    total += encoder_forward_flops(cfg, cfg.num_tokens, axes=2)
+    per_image = resnet_stem_flops(cfg)
+    per_image += 2.0 * patches * cfg.patch_size[0] * cfg.patch_size[1] * in_channels * h
     t = cfg.num_tokens
     if cfg.pooling == "map":
-        total += 2.0 * h * h * 2 + 2.0 * t * 2 * h * h + 2.0 * 2 * t * h + 2.0 * 2 * h * cfg.mlp_dim
+        per_image += (2.0 * h * h * 2 + 2.0 * t * 2 * h * h + 2.0 * 2 * t * h
+                      + 2.0 * 2 * h * cfg.mlp_dim)
     features = h
     if cfg.representation_size:
-        total += 2.0 * h * cfg.representation_size
+        per_image += 2.0 * h * cfg.representation_size
         features = cfg.representation_size
-    return total + 2.0 * features * cfg.num_classes
+    per_image += 2.0 * features * cfg.num_classes
+    return Flops(per_example=per_image) + encoder_forward_flops(cfg, t, axes=2)
 
 
-def vit_train_flops(cfg: ViTConfig) -> float:
-    """Training FLOPs of one image (forward + backward)."""
-    return TRAIN_FACTOR * vit_forward_flops(cfg)
+def vit_train_flops(cfg: ViTConfig) -> Flops:
+    """Training FLOPs (forward + backward)."""
+    return vit_forward_flops(cfg).scaled(TRAIN_FACTOR)
 
 
-def text_encoder_forward_flops(cfg: TextConfig, length: int) -> float:
-    """Forward FLOPs of ``TextEncoder`` on one sequence of ``length`` tokens (no task head):
+def text_encoder_forward_flops(cfg: TextConfig, length: int) -> Flops:
+    """Forward FLOPs of ``TextEncoder`` on sequences of ``length`` tokens (no task head):
     optional embedding projection 2·L·E·H, the v2 convolution 2·L·k·H²/groups, the stack."""
     h = cfg.hidden_size
-    total = encoder_forward_flops(cfg, length)
+    per_sequence = 0.0
     if cfg.input_embedding_size != h:
-        total += 2.0 * length * cfg.input_embedding_size * h
+        per_sequence += 2.0 * length * cfg.input_embedding_size * h
     if cfg.conv_kernel_size:
-        total += 2.0 * length * cfg.conv_kernel_size * h * h / cfg.conv_groups
-    return total
+        per_sequence += 2.0 * length * cfg.conv_kernel_size * h * h / cfg.conv_groups
+    return Flops(per_example=per_sequence) + encoder_forward_flops(cfg, length)

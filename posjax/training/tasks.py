@@ -33,8 +33,9 @@ with ``@register_task``, and implement:
     The input pipeline: an object with ``.iterator`` (checkpointable grain iterator yielding
     numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
     with the last batch padded, ``mask`` False) and ``.num_examples``.
-``flops_per_example() -> float``
-    Analytic forward+backward model FLOPs of one training example (for MFU), see ``flops.py``.
+``train_flops() -> flops.Flops``
+    Analytic forward+backward model FLOPs (for MFU), see ``flops.py``: per example, plus the
+    per-step work on shared position tables; a step of B examples costs ``.total(B)``.
 
 Text tasks live in their own module listed in ``TASK_MODULES``; it is imported the first time
 ``make_task`` is asked for a name not registered yet.
@@ -102,7 +103,7 @@ class Task(abc.ABC):
                       shard_index: int, shard_count: int) -> Any: ...
 
     @abc.abstractmethod
-    def flops_per_example(self) -> float: ...
+    def train_flops(self) -> flops.Flops: ...
 
     def init_params(self, model: nn.Module, rng: Array, batch: Mapping[str, Array]) -> Any:
         """Freshly initialised ``params`` collection (boxed with logical axis names)."""
@@ -240,7 +241,7 @@ class ImageClassification(Task):
                                    seed=seed, train=train, shard_index=shard_index,
                                    shard_count=shard_count)
 
-    def flops_per_example(self) -> float:
+    def train_flops(self) -> flops.Flops:
         return flops.vit_train_flops(self.model_config)
 
 

@@ -66,17 +66,20 @@ def text_inputs(batch: Mapping[str, Array]) -> dict[str, Array]:
             "token_type_ids": batch["token_type_ids"]}
 
 
-def mlm_head_flops(cfg: TextConfig, predictions: int, length: int) -> float:
-    """Forward FLOPs after the encoder for ``predictions`` masked slots of one sequence:
+def mlm_head_flops(cfg: TextConfig, predictions: int, length: int) -> flops.Flops:
+    """Forward FLOPs after the encoder for ``predictions`` masked slots of each sequence:
     dense H->E and tied logits E->V per slot; with EMD two more passes of the last layer for
     the slot queries over ``length`` keys (Q/out projections and MLP on the slots, K/V on all
-    tokens, scores and weighted values; DeBERTa's position terms counted like the encoder's)."""
+    tokens, scores and weighted values; DeBERTa's position terms counted like one encoder
+    layer's, its table projection once per step)."""
     h, e, m, t = cfg.hidden_size, cfg.input_embedding_size, predictions, length
-    total = 2.0 * m * h * e + 2.0 * m * e * cfg.vocab_size
+    per_sequence = 2.0 * m * h * e + 2.0 * m * e * cfg.vocab_size
+    total = flops.Flops(per_example=per_sequence)
     if cfg.use_emd:
         layer = (2.0 * m * h * 2 * h + 2.0 * t * h * 2 * h + 2.0 * 2 * m * t * h
                  + 2.0 * m * 2 * h * cfg.mlp_dim)
-        total += 2 * (layer + flops.position_flops(cfg, t) / cfg.num_layers)
+        one_layer_positions = flops.position_flops(cfg, t).scaled(1 / cfg.num_layers)
+        total += (flops.Flops(per_example=layer) + one_layer_positions).scaled(2)
     return total
 
 
@@ -172,13 +175,13 @@ class MaskedLanguageModel(_TextTask):
                                            seed=seed, train=train, shard_index=shard_index,
                                            shard_count=shard_count, tokenizer=self.tokenizer)
 
-    def flops_per_example(self) -> float:
+    def train_flops(self) -> flops.Flops:
         cfg = self.model_config
         length = int(self.config.data.max_seq_length)
         m = text_data.max_predictions(self.config.data)
         forward = (flops.text_encoder_forward_flops(cfg, length)
                    + mlm_head_flops(cfg, m, length))
-        return flops.TRAIN_FACTOR * forward
+        return forward.scaled(flops.TRAIN_FACTOR)
 
 
 # ----------------------------------------------------------------------------- GLUE
@@ -275,9 +278,9 @@ class Glue(_TextTask):
                                             shard_index=shard_index, shard_count=shard_count,
                                             tokenizer=self.tokenizer)
 
-    def flops_per_example(self) -> float:
+    def train_flops(self) -> flops.Flops:
         cfg = self.model_config
         h = cfg.hidden_size
-        head = 2.0 * h * h + 2.0 * h * self.glue_task.num_labels
+        head = flops.Flops(per_example=2.0 * h * h + 2.0 * h * self.glue_task.num_labels)
         forward = flops.text_encoder_forward_flops(cfg, int(self.config.data.max_seq_length))
-        return flops.TRAIN_FACTOR * (forward + head)
+        return (forward + head).scaled(flops.TRAIN_FACTOR)
