@@ -1,7 +1,8 @@
 """Evaluate a checkpoint: python eval.py --workdir DIR [--step N] [--config configs/X.py ...]
 
 Reads the config train.py saved in the workdir unless --config is given, evaluates the latest
-checkpoint (or --step) on the test split and writes DIR/checkpoints/eval_<step>.json.
+checkpoint (or --step) on data.test_split and writes DIR/checkpoints/eval_<step>_<split>.json
+(e.g. eval_800_test.json; another --config.data.test_split writes its own file).
 """
 import json
 import pathlib

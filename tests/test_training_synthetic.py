@@ -1,9 +1,8 @@
-"""A test task whose global batches do not depend on the process count, and tiny configs.
+"""A small test task and tiny configs, imported by the other training tests.
 
-``SyntheticImages`` draws a fixed random image set, shuffles it with the seed, forms GLOBAL
-batches and hands each process its contiguous rows — so a 2-process run sees exactly the
-batches of a 1-process run (the digits pipeline shards examples per process instead). Imported
-by the other training tests and by the multi-process workers.
+``SyntheticImages`` draws a fixed random image set (learnable: the label is the brightest
+quadrant), shuffles it with the seed, forms global batches and hands each process its
+contiguous rows, as the real pipelines do (tests/test_multiprocess.py runs those).
 """
 from __future__ import annotations
 

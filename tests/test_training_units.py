@@ -54,21 +54,45 @@ def _matmul_flops(jaxpr) -> float:
     {"resnet_layers": (1, 1), "patch_size": 1, "image_size": 32},
 ], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid"])
 def test_analytic_flops_equal_the_traced_matmuls(overrides):
+    """A batch of 3 images: B · per_example + per_step equals the traced model's matmuls (the
+    position tables of TUPE and DeBERTa are computed once per batch, not per image)."""
     cfg = ViTConfig(**{"image_size": 16, "patch_size": 4, "num_channels": 3, "hidden_size": 32,
                        "num_heads": 4, "num_layers": 2, "mlp_dim": 64, "num_classes": 7,
                        "resnet_width": 32, **overrides})
     model = ViT(cfg)
-    images = jnp.zeros((1, *cfg.image_size, 3))
+    images = jnp.zeros((3, *cfg.image_size, 3))
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), images)
     jaxpr = jax.make_jaxpr(lambda p: model.apply(p, images))(params)
-    assert flops.vit_forward_flops(cfg) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
-    assert flops.vit_train_flops(cfg) == 3 * flops.vit_forward_flops(cfg)
+    forward = flops.vit_forward_flops(cfg)
+    assert forward.total(3) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
+    assert (forward.per_step > 0) == (cfg.position_scheme != "vit")
+    train = flops.vit_train_flops(cfg)
+    assert (train.per_example, train.per_step) == (3 * forward.per_example, 3 * forward.per_step)
+
+
+def test_position_flops_per_step_and_per_example_by_hand():
+    """DeBERTa v2, H=8, MLP 16, 2 layers, k=4 buckets (R=8 rows), c2p+p2c, T=6 tokens;
+    TUPE-A on the same sizes (a (T+1)-row table)."""
+    from posjax.models.config import TextConfig
+    base = dict(vocab_size=32, hidden_size=8, num_heads=2, num_layers=2, mlp_dim=16,
+                max_position_embeddings=16)
+    deberta = TextConfig(**base, position_scheme="deberta_v2", max_relative_positions=8,
+                         position_buckets=4)
+    layer = 2 * 6 * 8 * 4 * 8 + 2 * 2 * 6 * 6 * 8 + 2 * 6 * 2 * 8 * 16       # 7296
+    per_example = 2 * layer + 2 * 2 * (2 * 6 * 8 * 8)     # + layers x terms x 2·T·R·H
+    per_step = 2 * 2 * (2 * 8 * 8 * 8)                    # layers x terms x 2·R·H²
+    assert flops.position_flops(deberta, 6) == flops.Flops(2 * 2 * 2 * 6 * 8 * 8, per_step)
+    assert flops.text_encoder_forward_flops(deberta, 6) == flops.Flops(per_example, per_step)
+    assert flops.Flops(per_example, per_step).total(32) == 32 * per_example + per_step
+    tupe = TextConfig(**base, position_scheme="tupe_a")
+    assert flops.text_encoder_forward_flops(tupe, 6) == flops.Flops(
+        2 * layer, 2 * 2 * 7 * 8 * 8 + 2 * 7 * 7 * 8)
 
 
 def test_vit_b16_flops_match_the_published_count():
     # ViT-B/16 at 224: 17.6 GMACs forward (e.g. timm / fvcore tables).
     cfg = ViTConfig()
-    assert flops.vit_forward_flops(cfg) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
+    assert flops.vit_forward_flops(cfg).total(1) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -201,6 +225,20 @@ def test_workdir_checks(tmp_path):
     assert sorted(p.name for p in workdir.iterdir()) == [loop.CONFIG_FILE]
 
 
+def test_init_from_summary_counts_and_shows_the_first_notes():
+    notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(7)]
+    notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")
+    text = loop.init_from_summary("/ckpt", notes, shown=3)
+    assert text.splitlines() == [
+        "init_from /ckpt: 8 parameter(s) not loaded as they are (7 skipped, 1 resampled):",
+        *(f"  {n}" for n in notes[:3]), "  ... and 5 more"]
+
+
+def test_split_tags_keep_splits_apart():
+    tags = [loop.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
+    assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]
+
+
 def test_operational_keys_may_change_on_resume():
     a = loop.config_dict(syn.tiny_config())
     b = loop.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
@@ -227,6 +265,26 @@ def test_jsonl_drops_records_after_the_resume_step(tmp_path):
 
 
 def test_peak_flops_sources():
-    assert metrics.peak_flops_per_device(5e12) == (5e12, "config.peak_flops")
-    value, source = metrics.peak_flops_per_device()
-    assert value > 1e8 and source.startswith("measured")   # CPU: not in the table
+    configured = metrics.peak_flops_per_device(5e12)
+    assert (configured.value, configured.source, configured.measure) == (
+        5e12, "config.peak_flops", None)
+    measured = metrics.peak_flops_per_device()
+    assert measured.value > 1e8 and measured.source.startswith("measured")   # CPU: no table
+    assert measured.measure is metrics.measure_matmul_flops
+
+
+def test_best_rate_keeps_the_fastest_trial():
+    clock = iter([0.0, 3.0, 10.0, 12.0, 20.0, 25.0]).__next__   # trials of 3 s, 2 s, 5 s
+    calls = []
+    assert metrics.best_rate(8.0, lambda: calls.append(1), 3, timer=clock) == 4.0
+    assert len(calls) == 3
+
+
+def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
+    measurements = iter([150.0, 400.0])
+    peak = metrics.PeakFlops(100.0, "measured", measure=lambda: next(measurements))
+    assert peak.mfu(50.0) == 0.5 and peak.value == 100.0        # <= 1: not re-measured
+    assert peak.mfu(200.0) == 1.0 and peak.value == 200.0       # re-measured 150 < achieved
+    assert peak.mfu(300.0) == 0.75 and peak.value == 400.0      # re-measured 400
+    fixed = metrics.PeakFlops(100.0, "config.peak_flops")
+    assert fixed.mfu(200.0) == 2.0 and fixed.value == 100.0     # a configured peak is kept

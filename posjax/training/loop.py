@@ -4,8 +4,15 @@ Everything the user can get wrong (config values, mesh vs devices, batch divisib
 files, the workdir) is checked by ``prepare`` before anything is compiled or written.
 
 Workdir layout: ``config.json`` (the run's config; a different run is refused),
-``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>.json`` (eval metrics
-of that checkpoint), ``metrics.jsonl``, ``tensorboard/``, ``loss_curve.png``.
+``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>_<split>.json``
+(eval metrics of that checkpoint on ``data.test_split``, see ``eval_file``), ``metrics.jsonl``,
+``tensorboard/``, ``loss_curve.png``.
+
+Several processes: the global batch is split in row blocks, one per process, in the order the
+mesh's batch sharding gives them (``process_row_blocks``); each process's input pipeline yields
+its block of every process-count-independent global batch. SIGTERM (preemption) reaches
+``checkpoint.Checkpointer.reached_preemption``: every process stops after the same step, saves
+it and returns ``preempted=True``.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 import tempfile
 import time
 from typing import Any
@@ -150,16 +158,29 @@ def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
                + f": use a multiple of {need}")
         _check(size % jax.process_count() == 0,
                f"{key}={size} is not divisible by the {jax.process_count()} processes")
-    # Each process must own distinct rows of the batch (it feeds its own data shard).
+    process_row_blocks(mesh)   # raises when processes do not own one block of rows each
+
+
+def process_row_blocks(mesh: Mesh) -> dict[int, int]:
+    """{process index: k}: the process owns rows block k of the global batch (blocks of
+    b / processes rows in row order), so it feeds shard k of the input pipeline and
+    ``make_array_from_process_local_data`` places its rows where the pipeline means them."""
+    shards = mesh_lib.batch_shards(mesh)
+    rows: dict[int, set[int]] = {}
     sharding = mesh_lib.batch_sharding(mesh)
-    rows: dict[int, set] = {}
     for device, index in sharding.devices_indices_map((shards,)).items():
         rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
-    owners = [frozenset(r) for r in rows.values()]
-    _check(len(set(owners)) == len(owners) and
-           all(not (a & b) for i, a in enumerate(owners) for b in owners[i + 1:]),
-           f"mesh {dict(mesh.shape)} gives several processes the same batch rows: make "
-           f"data x fsdp a multiple of the process count {jax.process_count()}")
+    size = shards // len(rows)
+    blocks = {p: min(r) // size for p, r in rows.items()}
+    contiguous = all(r == set(range(blocks[p] * size, (blocks[p] + 1) * size))
+                     for p, r in rows.items())
+    _check(shards % len(rows) == 0 and contiguous and sorted(blocks.values()) == list(
+        range(len(rows))),
+        f"mesh {dict(mesh.shape)} does not give each of the {len(rows)} processes its own "
+        f"contiguous block of batch rows (batch shards by process: "
+        f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple of "
+        "the process count, with each process's devices adjacent along data x fsdp")
+    return blocks
 
 
 def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -237,6 +258,14 @@ class Run:
         """Mesh + logical rules, active while steps are traced and run."""
         return _Context(self.mesh)
 
+    def make_pipeline(self, split: str, global_batch_size: int, train: bool) -> Any:
+        """This process's input pipeline: shard k of ``jax.process_count()``, k = the block of
+        batch rows the mesh gives this process (``process_row_blocks``)."""
+        count = jax.process_count()
+        shard = process_row_blocks(self.mesh)[jax.process_index()]
+        return self.task.make_pipeline(split, global_batch_size // count, self.config.seed,
+                                       train, shard, count)
+
 
 class _Context:
     def __init__(self, mesh: Mesh):
@@ -287,9 +316,7 @@ def run_evaluation(run: Run, params: Any, eval_step,
     examples dropped, then ``task.summarize`` (and ``task.write_predictions`` into
     ``predictions_dir`` when given, on process 0)."""
     config = run.config
-    batch_size = (config.eval_batch_size or config.batch_size) // jax.process_count()
-    pipe = run.task.make_pipeline("test", batch_size, config.seed, False,
-                                  jax.process_index(), jax.process_count())
+    pipe = run.make_pipeline("test", config.eval_batch_size or config.batch_size, False)
     collected: dict[str, list[np.ndarray]] = {}
     for local in pipe.iterator:
         batch = global_batch(local, run.mesh)
@@ -305,14 +332,29 @@ def run_evaluation(run: Run, params: Any, eval_step,
     return run.task.summarize(outputs)
 
 
-def eval_file(workdir: pathlib.Path, step: int) -> pathlib.Path:
-    return workdir / "checkpoints" / f"eval_{step}.json"
+def split_tag(split: str) -> str:
+    """A split spec as a file-name part: ``test`` -> ``test``, ``train[:80%]`` -> ``train_-80%``
+    (``[`` -> ``_``, ``:`` -> ``-``, ``]`` dropped, any other character outside [A-Za-z0-9_.%-]
+    -> ``_``)."""
+    tag = split.replace("[", "_").replace(":", "-").replace("]", "")
+    return re.sub(r"[^A-Za-z0-9_.%-]", "_", tag)
+
+
+def eval_file(workdir: pathlib.Path, step: int, split: str) -> pathlib.Path:
+    """``checkpoints/eval_<step>_<split tag>.json``: one file per evaluated split."""
+    return workdir / "checkpoints" / f"eval_{step}_{split_tag(split)}.json"
+
+
+def evaluated_split(config: ml_collections.ConfigDict) -> str:
+    """The split evaluation reads: ``config.data.test_split``."""
+    return str(config.data.get("test_split", "test"))
 
 
 def write_eval(run: Run, step: int, result: dict[str, float]) -> pathlib.Path:
-    path = eval_file(run.workdir, step)
+    split = evaluated_split(run.config)
+    path = eval_file(run.workdir, step, split)
     if run.is_main:
-        path.write_text(json.dumps({"step": step, **result}, indent=2) + "\n")
+        path.write_text(json.dumps({"step": step, "split": split, **result}, indent=2) + "\n")
     return path
 
 
@@ -336,7 +378,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                                 run.workdir / "predictions" / f"step_{step}")
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
-    return {"step": step, **result}
+    return {"step": step, "split": evaluated_split(config), **result}
 
 
 # ----------------------------------------------------------------------------- training
@@ -357,13 +399,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     would; used to test resumption.
     """
     run = prepare(config, workdir, training=True)
+    pipe = run.make_pipeline("train", config.batch_size, True)   # data errors before writing
     run.workdir.mkdir(parents=True, exist_ok=True)
     if run.is_main:
         (run.workdir / CONFIG_FILE).write_text(json.dumps(config_dict(config), indent=2) + "\n")
     checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
                                          config.checkpoint.keep, config.checkpoint.async_save)
     try:
-        return _train(run, checkpointer, stop_after)
+        return _train(run, checkpointer, pipe.iterator, stop_after)
     finally:
         checkpointer.close()
 
@@ -377,16 +420,36 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     if run.config.init_from:
-        state = state_lib.load_init_from(state, run.config.init_from, run.shardings)
+        state = init_from_pretrained(state, run.config.init_from, run.shardings)
     return state, 0
 
 
-def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None) -> TrainResult:
+def init_from_pretrained(state: state_lib.TrainState, path: str,
+                         shardings: state_lib.TrainState) -> state_lib.TrainState:
+    """``state`` with the params of ``path`` merged in (``state.merge_pretrained``); one WARNING
+    when some are not taken as they are (see ``init_from_summary``)."""
+    loaded, pretrained_cfg = state_lib.read_pretrained(path, state.params, shardings.params)
+    params, notes = state_lib.merge_pretrained(state.params, loaded, shardings.params,
+                                               pretrained_cfg)
+    if notes:
+        logging.warning("%s", init_from_summary(path, notes))
+    return state.replace(params=params)
+
+
+def init_from_summary(path: str, notes: list[str], shown: int = 5) -> str:
+    """'init_from P: N parameter(s) not loaded as they are (k skipped, r resampled): ' and the
+    first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened')."""
+    resampled = sum("resampled" in n for n in notes)
+    head = (f"init_from {path}: {len(notes)} parameter(s) not loaded as they are "
+            f"({len(notes) - resampled} skipped, {resampled} resampled):")
+    more = [f"... and {len(notes) - shown} more"] if len(notes) > shown else []
+    return "\n  ".join([head, *notes[:shown], *more])
+
+
+def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
+           stop_after: int | None) -> TrainResult:
     config, task = run.config, run.task
     num_steps = config.num_steps
-    pipe = task.make_pipeline("train", config.batch_size // jax.process_count(), config.seed,
-                              True, jax.process_index(), jax.process_count())
-    iterator = pipe.iterator
     state, start = _start_state(run, checkpointer, iterator)
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
                                            task.dummy_batch(1), config.microbatches)
@@ -394,10 +457,10 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
     writer = metrics_lib.MetricWriter(run.workdir, run.is_main, start)
     progress = metrics_lib.Progress(num_steps, start)
     accumulator = metrics_lib.MetricAccumulator()
-    flops_per_example = task.flops_per_example()
-    peak, peak_source = metrics_lib.peak_flops_per_device(config.peak_flops)
-    _print(run, f"{flops_per_example:.4g} train FLOPs/example; MFU against {peak:.4g} "
-                f"FLOP/s per device ({peak_source}) x {jax.device_count()} devices")
+    step_flops = task.train_flops().total(config.batch_size)
+    peak = metrics_lib.peak_flops_per_device(config.peak_flops)
+    _print(run, f"{step_flops:.4g} train FLOPs/step; MFU against {peak.value:.4g} FLOP/s per "
+                f"device ({peak.source}) x {jax.device_count()} devices")
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
     checkpointer.watch_preemption()
     preempted = False
@@ -417,7 +480,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
                 progress.restart(step)
                 first = False
             if step % config.log_every_steps == 0 or step == num_steps:
-                _log_train(run, step, accumulator, progress, writer, flops_per_example, peak)
+                _log_train(run, step, accumulator, progress, writer, step_flops, peak)
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
                 result = run_evaluation(run, state.params, eval_step)
@@ -449,7 +512,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, stop_after: int | None
 
 def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
                progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
-               flops_per_example: float, peak: float) -> None:
+               step_flops: float, peak: metrics_lib.PeakFlops) -> None:
     scalars = accumulator.result()
     steps_per_s, _ = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size
@@ -458,7 +521,7 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
         scalars.update({
             "steps_per_s": steps_per_s,
             "examples_per_s": examples_per_s,
-            "mfu": flops_per_example * examples_per_s / (peak * jax.device_count()),
+            "mfu": peak.mfu(step_flops * steps_per_s / jax.device_count()),
         })
     writer.write(step, "train", scalars)
     _print(run, progress.line(step, scalars, steps_per_s))
