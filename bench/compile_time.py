@@ -3,11 +3,11 @@
 The model is the DeBERTa-v3 classifier of the throughput suite at base width (768, the most
 ops per layer of our schemes), batch 8 × 128, fp32 (bf16 with ``--gpu``). Only shapes are
 needed: parameters and optimizer state are ``jax.eval_shape`` structures, nothing is allocated
-or run. With scan-over-layers (a ``scan_layers`` config field) when the config has one.
+or run. Each depth is compiled twice: the unrolled stack and ``scan_layers=True`` (one
+``lax.scan`` over stacked layer params, whose body XLA compiles once).
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import flax.linen as nn
@@ -17,13 +17,6 @@ import optax
 from bench.common import Budget, Scale, Table
 from bench.workloads import (LEARNING_RATE, WEIGHT_DECAY, Workload, build_model, make_batch,
                              make_train_step, text_config)
-from posjax import TextConfig
-
-SCAN_FIELD = "scan_layers"
-
-
-def scan_supported() -> bool:
-    return SCAN_FIELD in {f.name for f in dataclasses.fields(TextConfig)}
 
 
 def compile_seconds(w: Workload, compiler_options: dict | None = None) -> float:
@@ -45,25 +38,19 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     depths = (1,) if scale.smoke else (12, 24)
     text_scale = "smoke" if scale.smoke else "gpu"          # base width
     dtype = scale.dtype
-    scans = (False, True) if scan_supported() else (False,)
     rows = []
     for layers in depths:
         row = [layers]
-        for scan in scans:
+        for scan in (False, True):
             if budget.left() <= 0:
                 row.append(None)
                 continue
-            extra = {SCAN_FIELD: True} if scan else {}
-            cfg = text_config("deberta_v2", text_scale, dtype, num_layers=layers, **extra)
+            cfg = text_config("deberta_v2", text_scale, dtype, num_layers=layers,
+                              scan_layers=scan)
             row.append(compile_seconds(Workload("compile", cfg, batch=8, length=128),
                                       scale.compiler_options))
-        if not scan_supported():
-            row.append("n/a")
         rows.append(row)
     notes = ["Seconds for lower + compile of jit(value_and_grad + AdamW), donated state."]
-    if not scan_supported():
-        notes.append(f"TextConfig has no `{SCAN_FIELD}` field: scan-over-layers does not exist "
-                     "in posjax.models yet, so only the unrolled stack is measured.")
     return [Table("Compile time of one training step (DeBERTa-v3 layers, width "
                   f"{cfg.hidden_size}, batch 8 × 128)",
                   ["layers", "unrolled s", "scan-over-layers s"], rows, notes)]

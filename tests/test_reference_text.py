@@ -16,6 +16,7 @@ import reference as ref
 from model_inputs import max_abs_error, padded_text_batch, random_params
 from posjax import TextConfig, TextForMaskedLM, TextForSequenceClassification
 from posjax.layers import positions
+from posjax.models.layout import to_layout
 
 TOL = 1e-5
 VOCAB = 40
@@ -39,10 +40,16 @@ def masked_positions(lengths: tuple[int, ...], count: int = 3, seed: int = 1) ->
 
 @functools.lru_cache(maxsize=None)
 def _params(model_cls, cfg: TextConfig, max_len: int) -> dict:
-    # The gather method does not change parameters: cases differing only in it share them.
-    model = model_cls(dataclasses.replace(cfg, gather="take"))
+    # Neither the gather method nor scan_layers changes the parameters (scan_layers only their
+    # layout): cases differing only in them share the same unrolled draw.
+    model = model_cls(dataclasses.replace(cfg, gather="take", scan_layers=False))
     batch = padded_text_batch((max_len,), max_len, cfg.vocab_size)
     return random_params(model, **batch)
+
+
+def model_params(params: dict, cfg: TextConfig) -> dict:
+    """The unrolled reference draw in the layout the model with ``cfg`` expects."""
+    return {"params": to_layout(params["params"], cfg.scan_layers)}
 
 
 def _assert_finite(tree) -> None:
@@ -61,7 +68,7 @@ def mlm_error(cfg: TextConfig, lengths: tuple[int, ...]) -> float:
         layers = m.encoder.hidden_states(input_ids, attention_mask, token_type_ids)[0]
         return layers, m(input_ids, attention_mask, token_type_ids, masked_positions)
 
-    layers, logits = TextForMaskedLM(cfg).apply(params, **batch, masked_positions=decode,
+    layers, logits = TextForMaskedLM(cfg).apply(model_params(params, cfg), **batch, masked_positions=decode,
                                                 method=layers_and_logits)
     _assert_finite(layers)
     _assert_finite(logits)
@@ -181,12 +188,14 @@ def test_deberta_v2_matches_reference(name):
 
 @pytest.mark.parametrize("cfg", [text_config("tupe_r", pooler_act="tanh"),
                                  text_config("deberta_v2", position_buckets=8,
-                                             max_relative_positions=32, pooler_act="gelu")],
-                         ids=["tupe_r", "deberta_v2"])
+                                             max_relative_positions=32, pooler_act="gelu"),
+                                 text_config("deberta_v2", position_buckets=8,
+                                             max_relative_positions=32, scan_layers=True)],
+                         ids=["tupe_r", "deberta_v2", "deberta_v2 scan_layers"])
 def test_classification_head_matches_reference(cfg):
     params = _params(TextForSequenceClassification, cfg, SHORT[0])
     batch = padded_text_batch(SHORT, SHORT[0], VOCAB)
-    logits = TextForSequenceClassification(cfg).apply(params, **batch)
+    logits = TextForSequenceClassification(cfg).apply(model_params(params, cfg), **batch)
     _assert_finite(logits)
     expected = ref.sequence_classification(ref.to_float64(params["params"]), cfg,
                                            batch["input_ids"],
@@ -196,3 +205,23 @@ def test_classification_head_matches_reference(cfg):
     err = max_abs_error(logits, expected, has_tokens)
     print(f"[reference] classification {cfg.position_scheme}: max abs error {err:.2e}")
     assert err <= TOL
+
+
+# --- scan over layers: the same numbers from stacked parameters ----------------------------------
+
+SCANNED = {
+    "bert_abs": text_config("bert_abs", num_layers=3),
+    "tupe_r": text_config("tupe_r", num_layers=3),
+    "deberta v1 EMD": text_config("deberta", max_relative_positions=8, position_biased_input=False,
+                                  use_emd=True, num_layers=3),
+    "deberta v2 conv EMD remat": text_config(
+        "deberta_v2", **V2, share_att_key=True, conv_kernel_size=3, conv_groups=2,
+        use_emd=True, num_layers=3, remat=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SCANNED))
+def test_scanned_layers_match_reference(name):
+    cfg = dataclasses.replace(SCANNED[name], scan_layers=True)
+    check(f"scan_layers {name}", cfg, LONG if cfg.position_scheme == "deberta_v2" else SHORT)
+

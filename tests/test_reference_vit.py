@@ -6,6 +6,8 @@ schemes cannot cancel out.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -15,6 +17,7 @@ import reference as ref
 from model_inputs import abstract_variables, max_abs_error, random_params
 from posjax import ViT, ViTConfig
 from posjax.layers.positions import resample_position_table
+from posjax.models.layout import to_layout
 
 TOL = 1e-5
 IMAGE = (16, 12)
@@ -52,6 +55,10 @@ VIT_CASES = {
     "deberta_v2 map share_att_key norm_rel_ebd": vit_config(
         "deberta_v2", pooling="map", position_buckets=4, max_relative_positions=6,
         share_att_key=True, norm_rel_ebd=True),
+    "scan_layers tupe_r token": vit_config("tupe_r", num_layers=3, scan_layers=True),
+    "scan_layers deberta gap remat": vit_config("deberta", pooling="gap", num_layers=3,
+                                                max_relative_positions=2, scan_layers=True,
+                                                remat=True),
 }
 
 
@@ -59,8 +66,8 @@ VIT_CASES = {
 def test_vit_matches_reference(name):
     cfg = VIT_CASES[name]
     x = images(cfg)
-    params = random_params(ViT(cfg), x)
-    out = ViT(cfg).apply(params, x)
+    params = random_params(ViT(dataclasses.replace(cfg, scan_layers=False)), x)
+    out = ViT(cfg).apply({"params": to_layout(params["params"], cfg.scan_layers)}, x)
     assert np.all(np.isfinite(np.asarray(out)))
     err = max_abs_error(out, ref.vit(ref.to_float64(params["params"]), cfg, x.astype(np.float64)))
     print(f"[reference] ViT {name}: max abs error {err:.2e}")

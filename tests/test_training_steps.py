@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from posjax.models.layout import stack_layers
 from posjax.training import mesh as mesh_lib
 from posjax.training import optim, state as state_lib, steps
 from posjax.training.tasks import make_task
@@ -23,17 +24,26 @@ def _batches() -> list[dict[str, np.ndarray]]:
              "mask": np.ones(BATCH, bool)} for idx in order.reshape(NUM_STEPS, BATCH)]
 
 
-def _trajectory(mesh_cfg: dict, devices, microbatches: int = 1):
-    """Losses of NUM_STEPS train steps and the final params (numpy)."""
+def _trajectory(mesh_cfg: dict, devices, microbatches: int = 1, model: dict | None = None,
+                init_params=None):
+    """Losses of NUM_STEPS train steps and the final params (numpy). ``model``: config.model
+    overrides; ``init_params``: start from these params (numpy) instead of the seed's init."""
     # No dropout: microbatches draw other masks than the big batch. (Dropout under different
     # meshes and processes is compared in test_training_runs.)
-    config = syn.tiny_config(**{"model.dropout_rate": 0.0, "optimizer.warmup_steps": 0})
+    overrides = {f"model.{k}": v for k, v in (model or {}).items()}
+    config = syn.tiny_config(**{"model.dropout_rate": 0.0, "optimizer.warmup_steps": 0,
+                                **overrides})
     task = make_task(config)
     model = task.build_model()
     tx, _ = optim.make_optimizer(config.optimizer, NUM_STEPS)
     mesh = mesh_lib.build_mesh(mesh_cfg, devices)
     _, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
     state = state_lib.init_state(task, model, tx, mesh, shardings, config.seed)
+    if init_params is not None:
+        params = jax.device_put(init_params, shardings.params)
+        with jax.set_mesh(mesh):
+            opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+        state = state.replace(params=params, opt_state=opt_state)
     step = steps.make_train_step(task, model, tx, mesh, shardings, task.dummy_batch(1),
                                  microbatches)
     losses = []
@@ -64,6 +74,36 @@ def test_sharded_train_step_follows_one_device(reference, mesh_cfg):
     kernel = shardings.params["encoder"]["layer_0"]["attention"]["query"]["kernel"]
     fsdp, tensor = mesh_cfg.get("fsdp", 1), mesh_cfg.get("tensor", 1)
     assert kernel.shard_shape((16, 2, 8)) == (16 // fsdp, 2 // tensor, 8)
+
+
+def test_scanned_layers_follow_unrolled_layers():
+    """scan_layers=True on a 2×2×2 mesh, started from the restacked unrolled init, follows the
+    unrolled 1-device run; its layer params carry the unsharded 'layers' axis first."""
+    two_layers = {"num_layers": 2}
+    ref_losses, ref_params, _ = _trajectory({"data": 1}, jax.devices()[:1], model=two_layers)
+    unrolled_init = _initial_params(two_layers)
+    losses, params, shardings = _trajectory(
+        {"data": 2, "fsdp": 2, "tensor": 2}, jax.devices(),
+        model={**two_layers, "scan_layers": True}, init_params=stack_layers(unrolled_init))
+    assert np.max(np.abs(losses - ref_losses)) <= 1e-5, (losses, ref_losses)
+    flat_ref = jax.tree_util.tree_leaves_with_path(stack_layers(ref_params))
+    flat = dict(jax.tree_util.tree_leaves_with_path(params))
+    assert len(flat) == len(flat_ref)
+    for path, b in flat_ref:
+        np.testing.assert_allclose(flat[path], b, atol=5e-4, rtol=0)
+    kernel = shardings.params["encoder"]["layers"]["attention"]["query"]["kernel"]
+    assert kernel.shard_shape((2, 16, 2, 8)) == (2, 8, 1, 8)
+
+
+def _initial_params(model: dict):
+    config = syn.tiny_config(**{f"model.{k}": v for k, v in model.items()})
+    task = make_task(config)
+    mesh = mesh_lib.build_mesh({"data": 1}, jax.devices()[:1])
+    tx, _ = optim.make_optimizer(config.optimizer, NUM_STEPS)
+    module = task.build_model()
+    _, shardings = state_lib.abstract_state(task, module, tx, mesh, config.seed)
+    state = state_lib.init_state(task, module, tx, mesh, shardings, config.seed)
+    return jax.tree.map(np.asarray, state.params)
 
 
 def test_gradient_accumulation_equals_big_batch(reference):

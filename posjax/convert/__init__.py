@@ -92,6 +92,7 @@ def export_hf(pre: Pretrained, out_dir: str | pathlib.Path) -> pathlib.Path:
     """Write a Hugging Face folder (config.json + model.safetensors) that transformers loads
     with the matching Auto/architecture class and that reproduces ``pre``'s outputs (HF has no
     EMD: its MLM logits are those of ``use_emd=False``). All-or-nothing; never overwrites."""
+    pre = pre.with_scan_layers(False)   # the name mappings speak the unrolled layout
     check_tree(pre.params, expected_params(pre.kind, pre.task, pre.config, pre.num_labels),
                "export_hf")
     if pre.kind == "vit":

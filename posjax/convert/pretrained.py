@@ -11,6 +11,7 @@ import numpy as np
 
 from posjax.layers.positions import resample_position_table
 from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.layout import to_layout
 from posjax.models.text import TextEncoder, TextForMaskedLM, TextForSequenceClassification
 from posjax.models.vit import ViT
 
@@ -82,6 +83,14 @@ class Pretrained:
 
     def module(self) -> nn.Module:
         return build_module(self.kind, self.task, self.config, self.num_labels)
+
+    def with_scan_layers(self, scan_layers: bool) -> "Pretrained":
+        """The same model with ``config.scan_layers`` set and the layer params restacked
+        (``posjax.models.layout``): values unchanged, only the tree layout differs."""
+        if self.config.scan_layers == scan_layers:
+            return self
+        return Pretrained(dataclasses.replace(self.config, scan_layers=scan_layers),
+                          to_layout(self.params, scan_layers), self.kind, self.task)
 
 
 def resize_vit(pre: Pretrained, image_size: int | tuple[int, int],

@@ -98,7 +98,8 @@ class TextConfig:
     # Heads.
     use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM
     pooler_act: str = "tanh"
-    remat: bool = False
+    remat: bool = False                  # recompute each layer's activations in the backward
+    scan_layers: bool = False            # one lax.scan over stacked layer params (fast compile)
 
     def __post_init__(self) -> None:
         if isinstance(self.pos_att_type, str):
@@ -188,6 +189,7 @@ class ViTConfig:
     norm_rel_ebd: bool = False
     gather: str = "shift"                # grids are not Toeplitz: shift gathers like take
     remat: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         for f in ("image_size", "patch_size"):

@@ -149,10 +149,77 @@ class Encoder(nn.Module):
                                            dtype=jnp.float32)
         if isinstance(cfg, TextConfig) and cfg.conv_kernel_size:
             self.conv = ConvLayer(cfg)
-        # static_argnums counts self as argument 0: `train` is argument 6.
-        layer_cls = nn.remat(EncoderLayer, static_argnums=(6,)) if cfg.remat else EncoderLayer
-        self.layers = [layer_cls(cfg, self.pre_ln, self.grid, name=f"layer_{i}")
-                       for i in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            # One parameter tree with a leading 'layers' axis: params['layers'][...] of shape
+            # (num_layers, *per-layer shape), run by one lax.scan (see ``_scan``).
+            self.layer_stack = self.param("layers", self._init_layer_stack)
+        else:
+            # static_argnums counts self as argument 0: `train` is argument 6.
+            layer_cls = nn.remat(EncoderLayer, static_argnums=(6,)) if cfg.remat else EncoderLayer
+            self.layers = [layer_cls(cfg, self.pre_ln, self.grid, name=f"layer_{i}")
+                           for i in range(cfg.num_layers)]
+
+    def _layer(self) -> EncoderLayer:
+        """An unbound layer, applied functionally to one slice of the stacked params."""
+        return EncoderLayer(self.cfg, self.pre_ln, self.grid, parent=None)
+
+    def _init_layer_stack(self, rng: Array) -> Any:
+        """num_layers independent layer inits stacked on a new leading axis named 'layers'.
+
+        Parameter shapes do not depend on the sequence length, so a short dummy input is used
+        (the whole grid for images, whose 2D relative positions are defined per patch).
+        """
+        cfg = self.cfg
+        length = 2 if self.grid is None else self.grid[0] * self.grid[1] + int(self.has_cls)
+        x = jnp.zeros((1, length, cfg.hidden_size), compute_dtype(cfg))
+        mask = jnp.ones((1, 1, length, length), bool)
+        terms = self.position_terms(length)
+
+        def init_one(key: Array) -> Any:
+            return self._layer().init({"params": key}, x, x, mask, terms)["params"]
+
+        stacked = jax.vmap(init_one)(jax.random.split(rng, cfg.num_layers))
+        return jax.tree.map(lambda p: p.add_axis(0, {nn.PARTITION_NAME: "layers"}), stacked,
+                            is_leaf=lambda p: isinstance(p, nn.Partitioned))
+
+    def _apply_layer(self, params: Any, x_q: Array, x_kv: Array, mask: Array,
+                     terms: dict[str, Any], query_positions: Array | None, train: bool,
+                     rng: Array | None) -> tuple[Array, Any]:
+        """One layer from its params -> (output, its sown intermediates or {})."""
+        capture = self.is_mutable_collection("intermediates")
+        out = self._layer().apply({"params": params}, x_q, x_kv, mask, terms, query_positions,
+                                  train, rngs=None if rng is None else {"dropout": rng},
+                                  mutable=["intermediates"] if capture else False)
+        return out if capture else (out, {})
+
+    def _dropout_rng(self, train: bool) -> Array | None:
+        return self.make_rng("dropout") if train and self.has_rng("dropout") else None
+
+    def _scan(self, params: Any, h: Array, mask: Array, terms: dict[str, Any],
+              train: bool) -> tuple[Array, Array]:
+        """lax.scan of the layer over ``params``' leading axis -> (last output, all outputs)."""
+        count = jax.tree.leaves(params)[0].shape[0]
+        rng = self._dropout_rng(train)
+        rngs = None if rng is None else jax.random.split(rng, count)
+
+        def body(carry, xs):
+            layer_params, rng = xs
+            out, sown = self._apply_layer(layer_params, carry, carry, mask, terms, None, train,
+                                          rng)
+            return out, (out, sown)
+
+        if self.cfg.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        last, (outputs, sown) = jax.lax.scan(body, h, (params, rngs))
+        self._resow(sown, count)
+        return last, outputs
+
+    def _resow(self, sown: Any, count: int) -> None:
+        """Re-sow what the scanned layers sowed (stacked on axis 0), one entry per layer."""
+        for path, stacked in jax.tree_util.tree_leaves_with_path(sown):
+            name = path[-2].key   # path ends (..., sow name, index in the sown tuple)
+            for i in range(count):
+                self.sow("intermediates", name, stacked[i])
 
     def position_terms(self, length: int) -> dict[str, Array]:
         """The additive terms every layer shares, computed once: {'bias': (h, L, L)} or
@@ -188,6 +255,8 @@ class Encoder(nn.Module):
         """x: (B, L, H) embedded tokens; token_mask: (B, L) bool -> (B, L, H) (or every layer's)."""
         terms = self.position_terms(x.shape[1])
         mask = self.attention_mask(token_mask)
+        if self.cfg.scan_layers:
+            return self._scanned_call(x, token_mask, mask, terms, train, return_all)
         outputs = []
         h = x
         for i, layer in enumerate(self.layers):
@@ -208,7 +277,34 @@ class Encoder(nn.Module):
         if query_positions is not None:
             query = jnp.take_along_axis(query, query_positions[..., None], axis=1)
         mask = token_mask[:, None, None, :]
+        if self.cfg.scan_layers:
+            last = jax.tree.map(lambda p: p[-1], self.layer_stack)
+            for _ in range(2):
+                query, sown = self._apply_layer(last, query, hidden_prev, mask, terms,
+                                                query_positions, train, self._dropout_rng(train))
+                self._resow(jax.tree.map(lambda a: a[None], sown), 1)
+            return query
         layer = self.layers[-1]
         for _ in range(2):
             query = layer(query, hidden_prev, mask, terms, query_positions, train)
         return query
+
+    def _scanned_call(self, x: Array, token_mask: Array, mask: Array, terms: dict[str, Any],
+                      train: bool, return_all: bool) -> Array | list[Array]:
+        """The layer loop of ``__call__`` as one scan (DeBERTa-v2's conv after layer 0 needs
+        layer 0 on its own: it is applied first, then the scan runs over layers 1…N−1)."""
+        params = self.layer_stack
+        head: list[Array] = []
+        h = x
+        if isinstance(self.cfg, TextConfig) and self.cfg.conv_kernel_size:
+            first = jax.tree.map(lambda p: p[0], params)
+            out, sown = self._apply_layer(first, x, x, mask, terms, None, train,
+                                          self._dropout_rng(train))
+            self._resow(jax.tree.map(lambda a: a[None], sown), 1)
+            h = self.conv(x, out, token_mask, train)
+            head = [h]
+            params = jax.tree.map(lambda p: p[1:], params)
+        h, outputs = self._scan(params, h, mask, terms, train)
+        if not return_all:
+            return h
+        return head + [outputs[i] for i in range(outputs.shape[0])]

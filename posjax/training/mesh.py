@@ -32,6 +32,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("embed_in", None),
     ("embed_out", None),
+    ("layers", None),      # the stacked-layer axis of scan_layers=True
 )
 
 

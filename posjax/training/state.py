@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from posjax.layers.positions import resample_position_table
+from posjax.models.layout import to_layout
 from posjax.training import mesh as mesh_lib
 from posjax.training.tasks import Task
 
@@ -124,6 +125,9 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
         abstract, dict(tree), is_leaf=lambda x: hasattr(x, "shape"))
     with ocp.StandardCheckpointer() as ckptr:
         loaded = ckptr.restore(params_dir, restore_target)
+    # Either layer layout loads into either (scan_layers on one side only): restack.
+    target_scanned = any("['layers']" in key for key in target)
+    loaded = {"params": to_layout(loaded["params"], target_scanned)}
     model_cfg = {}
     if cfg_file.exists():
         model_cfg = json.loads(cfg_file.read_text())
