@@ -14,7 +14,7 @@ warmup then linear decay, weight decay 0.3 (ImageNet-1k, 300 epochs) or 0.03 (Im
 90 epochs; 0.1 for H), lr 3e-3 / 1e-3, 224 px, dropout 0.1 on ImageNet-1k, a pre-logits
 (representation) layer, [CLS] pooling.
 Fine-tuning (App. B.1.1): SGD momentum 0.9, batch 512, cosine decay, no weight decay, global
-gradient-norm clipping at 1, 384 px; the pre-trained 224 px position table is resampled
+gradient-norm clipping at 1, 384 px (518 px for /14 patches); the pre-trained 224 px position table is resampled
 (bilinear) to the 384 px grid when ``init_from`` is loaded, and the head is re-initialised
 (zero) for the new classes; no pre-logits layer.
 
@@ -53,14 +53,15 @@ def parse_variant(variant: str) -> tuple[str, int, str]:
 def get_config(variant: str = "b16"):
     size, patch, mode = parse_variant(variant)
     hidden, layers, heads = SIZES[size]
-    resolution = 384 if mode == "finetune" else 224
+    # Fine-tuning at 384 px; /14 patches need a multiple of 14: 518 px, the paper's ViT-H/14.
+    resolution = (518 if patch == 14 else 384) if mode == "finetune" else 224
     config = default_config()
     config.model = model_defaults(
         ViTConfig, position_scheme="vit", image_size=resolution, patch_size=patch,
         num_channels=3, hidden_size=hidden, num_heads=heads, num_layers=layers,
         mlp_dim=4 * hidden, num_classes=1000, pooling="token", representation_size=hidden,
         hidden_act="gelu_tanh", layer_norm_eps=1e-6, dropout_rate=0.0, dtype="bfloat16",
-        remat=size in ("l", "h"))
+        remat=size in ("l", "h"), scan_layers=True)
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.data = default_data_config("tfds")
     config.data.update(tfds_name="imagenet2012", train_split="train", test_split="validation",
