@@ -14,9 +14,9 @@ warmup then linear decay, weight decay 0.3 (ImageNet-1k, 300 epochs) or 0.03 (Im
 90 epochs; 0.1 for H), lr 3e-3 / 1e-3, 224 px, dropout 0.1 on ImageNet-1k, a pre-logits
 (representation) layer, [CLS] pooling.
 Fine-tuning (App. B.1.1): SGD momentum 0.9, batch 512, cosine decay, no weight decay, global
-gradient-norm clipping at 1, 384 px (518 px for /14 patches); the pre-trained 224 px position table is resampled
-(bilinear) to the 384 px grid when ``init_from`` is loaded, and the head is re-initialised
-(zero) for the new classes; no pre-logits layer.
+gradient-norm clipping at 1, 384 px (518 px for /14 patches); the pre-trained 224 px position
+table is resampled (bilinear) to the new grid when ``init_from`` is loaded, and the head is
+re-initialised (zero) for the new classes; no pre-logits layer.
 
     python train.py --config configs/vit_imagenet.py:b16 --workdir gs://bucket/b16 \\
         --config.data.data_dir=/path/to/tfds
