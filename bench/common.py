@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -62,6 +63,7 @@ class Scale:
     runs: int            # timed runs per measurement (medians over these)
     budget_s: float      # wall-clock budget for the whole invocation (0: none)
     dtype: str = "float32"   # compute dtype of the models (bf16 with --gpu)
+    xla_options: dict[str, Any] | None = None   # --xla-option: ours is also timed with these
 
     @property
     def smoke(self) -> bool:
@@ -138,6 +140,22 @@ def measure_peak_flops(n: int, dtype: str = "float32", reps: int = 5) -> dict[st
         out["torch"] = flops / min(timed(lambda: ta @ ta) for _ in range(reps))
     out["peak"] = max(out.values())
     return out
+
+
+def parse_options(items: Sequence[str], flag: str) -> dict[str, Any] | None:
+    """['key=value', ...] -> {key: value} for XLA compile options (ints, booleans converted;
+    an empty value stays '', e.g. ``xla_cpu_experimental_ynn_fusion_type=`` turns YNNPACK
+    fusions off)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("xla_"):
+            raise ValueError(f"{flag}={item!r} is not xla_KEY=VALUE "
+                             "(e.g. xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT)")
+        lowered = value.lower()
+        out[key] = (lowered == "true" if lowered in ("true", "false")
+                    else int(value) if re.fullmatch(r"-?\d+", value) else value)
+    return out or None
 
 
 def load_average() -> str:

@@ -22,6 +22,8 @@ from typing import Sequence  # noqa: E402
 if __package__ in (None, ""):   # `python bench/run.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from bench.common import parse_options  # noqa: E402
+
 SUITES = ("throughput", "attention", "compile", "pipelines")
 # Share of the time budget per suite (unused time passes on to the next suite).
 SHARES = {"throughput": 0.5, "attention": 0.25, "compile": 0.15, "pipelines": 0.1}
@@ -38,8 +40,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=0.0,
                    help="wall-clock budget in seconds for all suites (0: none; --gpu: 600)")
     p.add_argument("--out", default="", help="also write the results to this .md or .json file")
+    p.add_argument("--xla-option", action="append", default=[], metavar="K=V",
+                   help="XLA compile option; throughput then times our step both without and "
+                        "with the options (e.g. xla_cpu_experimental_ynn_fusion_type= : "
+                        "YNNPACK fusions off)")
     args = p.parse_args(argv)
     problems = []
+    try:
+        args.xla_options = parse_options(args.xla_option, "--xla-option")
+    except ValueError as e:
+        problems.append(str(e))
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         problems.append(f"unknown suite(s) {unknown}: choose from {', '.join(SUITES)}")
@@ -78,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _set_torch_threads()
     size = "smoke" if args.smoke else ("gpu" if args.gpu else "cpu")
-    scale = Scale(size, args.runs, args.budget, "bfloat16" if args.gpu else "float32")
+    scale = Scale(size, args.runs, args.budget, "bfloat16" if args.gpu else "float32",
+                  args.xla_options)
     modules = {"throughput": throughput, "attention": attention, "compile": compile_time,
                "pipelines": pipelines}
     command = "python -m bench " + " ".join(argv)

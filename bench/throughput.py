@@ -34,14 +34,20 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     context["train_examples_per_s"] = {
         name: next(w.batch for w in workloads if w.name == name) / median(r["ours"])
         for name, r in results.items()}
-    return [_speed_table(workloads, results, skipped),
-            _mfu_table(workloads, results, peak, scale.dtype), _overhead_table(workloads, results)]
+    tables = [_speed_table(workloads, results, skipped),
+              _mfu_table(workloads, results, peak, scale.dtype),
+              _overhead_table(workloads, results)]
+    if scale.xla_options:
+        tables.insert(1, _options_table(workloads, results, scale.xla_options))
+    return tables
 
 
 def _measure_group(group: list[Workload], scale: Scale, budget: Budget
                    ) -> dict[str, dict[str, Any]]:
     """Build every model of ``group`` in both frameworks, warm up, then ``scale.runs`` rounds."""
     ours = {w.name: OursTrainer(w, compiler_options=scale.compiler_options) for w in group}
+    flagged = {w.name: OursTrainer(w, compiler_options=_with_options(scale)) for w in group
+               } if scale.xla_options else {}
     hf: dict[tuple, HFTrainer] = {}
     for w in group:    # TUPE-R shares BERT-A's HF model (same HF config)
         key = _hf_key(w)
@@ -50,6 +56,8 @@ def _measure_group(group: list[Workload], scale: Scale, budget: Budget
     order: list[tuple[str, Any]] = []
     for w in group:
         order.append((f"ours:{w.name}", ours[w.name]))
+        if w.name in flagged:
+            order.append((f"ours+options:{w.name}", flagged[w.name]))
         hf_trainer = hf[_hf_key(w)]
         if all(t is not hf_trainer for _, t in order):
             order.append((f"hf:{w.name}", hf_trainer))
@@ -70,7 +78,14 @@ def _measure_group(group: list[Workload], scale: Scale, budget: Budget
                        "params": o.num_params, "hf_params": h.num_params,
                        "hf_attn": h.attn_implementation, "hf_optimizer": h.optimizer_kind,
                        "same_hf_as": hf_name.split(":", 1)[1]}
+        if w.name in flagged:
+            out[w.name]["ours_options"] = times[f"ours+options:{w.name}"]
     return out
+
+
+def _with_options(scale: Scale) -> dict[str, Any]:
+    """The compile options of the flagged trainers: the scale's own plus --xla-option."""
+    return {**(scale.compiler_options or {}), **(scale.xla_options or {})}
 
 
 def _hf_key(w: Workload) -> tuple:
@@ -112,6 +127,29 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
                  ["model", "HF counterpart", "batch × tokens", "params ours / HF",
                   "ours ms/step", "HF ms/step", "ours ex/s", "HF ex/s", "speed-up", "range",
                   "rounds", "≥ 1.3×"], rows, notes)
+
+
+def _options_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
+                   options: dict[str, Any]) -> Table:
+    """Our step with the --xla-option compile options, timed in the same rounds."""
+    rows = []
+    for w in workloads:
+        r = res.get(w.name)
+        if r is None or "ours_options" not in r:
+            continue
+        speedup = median_ratio(r["hf"], r["ours_options"])
+        rows.append([w.name, 1e3 * median(r["ours"]), 1e3 * median(r["ours_options"]),
+                     median_ratio(r["ours"], r["ours_options"]), 1e3 * median(r["hf"]), speedup,
+                     ratio_range(r["hf"], r["ours_options"]),
+                     "yes" if speedup >= TARGET_SPEEDUP else "no"])
+    shown = ", ".join(f"{k}={v}" for k, v in options.items())
+    return Table(f"Our step with XLA options {shown}",
+                 ["model", "ours ms/step", "ours ms/step with options", "default / with options",
+                  "HF ms/step", "speed-up with options", "range", "≥ 1.3×"], rows,
+                 ["Same rounds as the table above (the options trainer runs right after the "
+                  "default one); ratios are medians over rounds of per-round ratios.",
+                  "Options are passed to XLA's compile of our step only (not via XLA_FLAGS), "
+                  "so both variants run in one process."])
 
 
 def _mfu_table(workloads: list[Workload], res: dict[str, dict[str, Any]],

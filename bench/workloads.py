@@ -132,7 +132,7 @@ def forward_flops(w: Workload) -> float:
     """
     cfg, b, seq = w.cfg, w.batch, w.tokens
     if not w.is_text:
-        return b * flops.vit_forward_flops(cfg)
+        return flops.vit_forward_flops(cfg).total(b)
     h = cfg.hidden_size
     per_seq = cfg.num_layers * flops.attention_layer_flops(seq, h, cfg.mlp_dim)
     per_seq += 2 * h * h + 2 * h * w.num_labels
@@ -145,7 +145,7 @@ def forward_flops(w: Workload) -> float:
         per_seq += terms * 2 * seq * rows * h
         per_step += terms * 2 * rows * h * h
     elif cfg.position_scheme.startswith("tupe"):
-        per_step += flops.position_flops(cfg, seq)
+        per_step += flops.position_flops(cfg, seq).per_step
     return float(b * per_seq + per_step)
 
 
@@ -171,10 +171,25 @@ def make_batch(w: Workload, seed: int = 0) -> dict[str, np.ndarray]:
 
 # --------------------------------------------------------------------------- ours (JAX)
 
-def build_model(w: Workload) -> nn.Module:
+def build_model(w: Workload, package: Any = None) -> nn.Module:
+    """The posjax model of ``w``; ``package``: another copy of posjax (e.g. an older revision
+    imported by bench/ab.py) whose config and model classes to use instead."""
+    if package is None:
+        if w.is_text:
+            return TextForSequenceClassification(w.cfg, num_labels=w.num_labels)
+        return ViT(w.cfg)
+    config_cls = package.TextConfig if w.is_text else package.ViTConfig
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    fields = {f.name: getattr(w.cfg, f.name) for f in dataclasses.fields(w.cfg)}
+    missing = {k: v for k, v in fields.items() if k not in known}
+    default = type(w.cfg)()
+    changed = [k for k, v in missing.items() if v != getattr(default, k)]
+    if changed:
+        raise ValueError(f"{package.__name__} has no config field(s) {changed} that {w.name} sets")
+    cfg = config_cls(**{k: v for k, v in fields.items() if k in known})
     if w.is_text:
-        return TextForSequenceClassification(w.cfg, num_labels=w.num_labels)
-    return ViT(w.cfg)
+        return package.TextForSequenceClassification(cfg, num_labels=w.num_labels)
+    return package.ViT(cfg)
 
 
 def _logits(model: nn.Module, params: Any, batch: dict[str, jax.Array], key: jax.Array,
@@ -208,9 +223,9 @@ class OursTrainer:
     framework = "ours"
 
     def __init__(self, w: Workload, seed: int = 0,
-                 compiler_options: dict[str, Any] | None = None) -> None:
+                 compiler_options: dict[str, Any] | None = None, package: Any = None) -> None:
         self.workload = w
-        model = build_model(w)
+        model = build_model(w, package)
         batch = {k: jnp.asarray(v) for k, v in make_batch(w, seed).items()}
         init_args = ((batch["input_ids"], batch["attention_mask"]) if w.is_text
                      else (batch["images"],))

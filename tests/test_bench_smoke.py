@@ -90,12 +90,23 @@ def test_flops_count_batch_independent_terms_once():
     (["--budget", "-5"], "--budget=-5"),
     (["--out", "results.txt"], "must end in .md or .json"),
     (["--out", "/no/such/folder/r.md"], "does not exist"),
+    (["--xla-option", "fusion=off"], "is not xla_KEY=VALUE"),
 ])
 def test_bad_command_lines_fail_early(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench_run.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_xla_options_parse_to_compile_options():
+    from bench.common import parse_options
+    assert parse_options([], "--xla-option") is None
+    assert parse_options(["xla_cpu_experimental_ynn_fusion_type=", "xla_cpu_max_isa=AVX2",
+                          "xla_backend_optimization_level=1", "xla_cpu_enable_fast_math=false"],
+                         "--xla-option") == {
+        "xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_max_isa": "AVX2",
+        "xla_backend_optimization_level": 1, "xla_cpu_enable_fast_math": False}
 
 
 def test_gpu_mode_without_gpu_says_how_to_fix(capsys):
