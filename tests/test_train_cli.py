@@ -64,10 +64,10 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     records = [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if r["split"] == "train"]
     assert train_steps == list(range(10, 201, 10))         # each logged step exactly once
-    written = json.loads((workdir / "checkpoints" / "eval_200.json").read_text())
+    written = json.loads((workdir / "checkpoints" / "eval_200_test.json").read_text())
     assert written["num_examples"] == 359
 
     evaluated = _run("eval.py", f"--workdir={workdir}")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout) == written
-    assert json.loads((workdir / "checkpoints" / "eval_200.json").read_text()) == written
+    assert json.loads((workdir / "checkpoints" / "eval_200_test.json").read_text()) == written

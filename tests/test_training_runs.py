@@ -1,21 +1,18 @@
 """Whole training runs on the synthetic task (one fixture, the runs overlap in time):
 
-* a real 2-process run (127.0.0.1 coordinator, 2 x 4 CPU devices, gloo collectives, mesh
-  data 2 x fsdp 2 x tensor 2) equals the 1-process 8-device run (mesh data 8): same losses
-  (with dropout), eval and final parameters;
 * train, stop, resume: bit-identical to the uninterrupted run, and the resumed run sees the
   same next batch;
-* a checkpoint restores onto another mesh and device count; eval reproduces the final eval;
-* init_from loads converter output (matching by path, new heads keep their init).
+* a checkpoint restores onto another mesh and device count; eval reproduces the final eval and
+  writes one file per evaluated split;
+* init_from loads converter output (matching by path, new heads keep their init) and says in
+  one warning what it did not load as is.
+
+Real multi-process runs: tests/test_multiprocess.py.
 """
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
+import logging
 
 import jax
 import numpy as np
@@ -29,31 +26,6 @@ from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
 import test_training_synthetic as syn
-
-TESTS = pathlib.Path(__file__).resolve().parent
-ROOT = TESTS.parent
-
-WORKER = """
-import sys
-sys.path[:0] = [{root!r}, {tests!r}]
-import test_training_synthetic as syn
-from posjax.training import loop
-import jax
-config = syn.tiny_config(**{{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
-                            "distributed.enabled": True,
-                            "distributed.coordinator_address": "127.0.0.1:{port}",
-                            "distributed.num_processes": 2,
-                            "distributed.process_id": int(sys.argv[1])}})
-loop.maybe_initialize_distributed(config)
-assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-loop.train(config, {workdir!r})
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _restore(config, workdir, step, devices=None, mesh_cfg=None):
@@ -71,52 +43,21 @@ def _restore(config, workdir, step, devices=None, mesh_cfg=None):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(config, uninterrupted workdir, stopped-and-resumed workdir, stop result, 2-process
-    workdir, the 2 processes' outputs). The 2-process run goes on while this process trains."""
+    """(config, uninterrupted workdir, stopped-and-resumed workdir, stop result)."""
     root = tmp_path_factory.mktemp("runs")
-    code = WORKER.format(root=str(ROOT), tests=str(TESTS), port=_free_port(),
-                         workdir=str(root / "two_processes"))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
     config = syn.tiny_config()   # mesh data=-1: 8 x 1 x 1
     loop.train(config, root / "straight")
     stopped = loop.train(config, root / "resumed", stop_after=3)
     loop.train(config, root / "resumed")
-    outputs = [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
-    return config, root / "straight", root / "resumed", stopped, root / "two_processes", outputs
+    return config, root / "straight", root / "resumed", stopped
 
 
 def _records(workdir):
     return [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_equal_one_process(runs):
-    config, single, _, _, multi, outputs = runs
-    for out, code in outputs:
-        assert code == 0, out[-3000:]
-    losses_multi = {r["step"]: r["loss"] for r in _records(multi) if r["split"] == "train"}
-    losses_single = {r["step"]: r["loss"] for r in _records(single) if r["split"] == "train"}
-    assert sorted(losses_multi) == sorted(losses_single) == list(range(1, 7))
-    for step, loss in losses_single.items():
-        assert abs(losses_multi[step] - loss) <= 1e-5, (step, losses_multi[step], loss)
-    eval_multi = json.loads(loop.eval_file(multi, 6).read_text())
-    eval_single = json.loads(loop.eval_file(single, 6).read_text())
-    assert eval_multi["num_examples"] == eval_single["num_examples"] == 40
-    assert abs(eval_multi["accuracy"] - eval_single["accuracy"]) < 1e-9
-    a, b = _restore(config, multi, 6), _restore(config, single, 6)
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-        # Adam moves a parameter by ~lr·sign(g) when g ≈ 0, so allow a little more than 1e-5.
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=5e-4)
-    # Each process saved its own input-iterator state.
-    assert sorted(p.name for p in (multi / "checkpoints" / "6" / "data_iter").glob("process_*")
-                  ) == ["process_0-of-2.json", "process_1-of-2.json"]
-
-
 def test_resumed_run_is_bit_identical(runs):
-    config, straight, resumed, stopped, _, _ = runs
+    config, straight, resumed, stopped = runs
     assert stopped.preempted and stopped.step == 3 and stopped.eval == {}
     a = _restore(config, straight, 6)
     b = _restore(config, resumed, 6)
@@ -128,12 +69,13 @@ def test_resumed_run_is_bit_identical(runs):
     train_a = [(r["step"], r["loss"]) for r in _records(straight) if r["split"] == "train"]
     train_b = [(r["step"], r["loss"]) for r in _records(resumed) if r["split"] == "train"]
     assert train_a == train_b and [s for s, _ in train_a] == list(range(1, 7))
-    assert loop.eval_file(straight, 6).read_text() == loop.eval_file(resumed, 6).read_text()
+    assert loop.eval_file(straight, 6, "test").read_text() == \
+        loop.eval_file(resumed, 6, "test").read_text()
     assert (resumed / "loss_curve.png").stat().st_size > 0
 
 
 def test_resumed_iterator_yields_the_next_batch(runs):
-    config, _, resumed, _, _, _ = runs
+    config, _, resumed, _ = runs
     task = make_task(config)
     fresh = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
     expected = [next(fresh) for _ in range(4)][-1]   # the 4th batch: first after step 3
@@ -148,7 +90,7 @@ def test_resumed_iterator_yields_the_next_batch(runs):
 
 
 def test_restore_onto_another_mesh_and_device_count(runs):
-    config, straight, _, _, _, _ = runs
+    config, straight, _, _ = runs
     a = _restore(config, straight, 6)                                   # 8 devices, data 8
     b = _restore(config, straight, 6, jax.devices()[:4], {"fsdp": 2, "tensor": 2})
     kernel = b.params["encoder"]["layer_0"]["attention"]["query"]["kernel"]
@@ -159,15 +101,24 @@ def test_restore_onto_another_mesh_and_device_count(runs):
 
 
 def test_eval_reproduces_the_training_eval(runs):
-    config, straight, _, _, _, _ = runs
+    config, straight, _, _ = runs
+    written_by_training = loop.eval_file(straight, 6, "test").read_text()
     result = loop.evaluate(config, straight)
-    written = json.loads(loop.eval_file(straight, 6).read_text())
-    assert result == written and written["num_examples"] == 40
+    written = json.loads(loop.eval_file(straight, 6, "test").read_text())
+    assert result == written and written["num_examples"] == 40 and written["split"] == "test"
+    assert json.loads(written_by_training) == written
+    # Another split gets its own file; the test split's stays as it was.
+    other = config.copy_and_resolve_references()
+    other.data = {"test_split": "train[:50%]"}
+    assert loop.evaluate(other, straight)["split"] == "train[:50%]"
+    assert loop.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
+    assert loop.eval_file(straight, 6, "train[:50%]").exists()
+    assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
     with pytest.raises(ValueError, match="no such checkpoint"):
         loop.evaluate(config, straight, step=5)
 
 
-def test_init_from_converter_checkpoint(tmp_path):
+def test_init_from_converter_checkpoint(tmp_path, caplog):
     """Params saved as the converter does (StandardCheckpointer of {'params': tree} plus
     model_config.json) are loaded by path; a head with another num_classes and a position
     table for another grid are handled (kept / resampled)."""
@@ -186,7 +137,13 @@ def test_init_from_converter_checkpoint(tmp_path):
     run = loop.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
-    loaded = state_lib.load_init_from(state, str(export), run.shardings).params
+    with caplog.at_level(logging.WARNING):
+        loaded = loop.init_from_pretrained(state, str(export), run.shardings).params
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings     # one summary, not one line per parameter
+    assert warnings[0].startswith(f"init_from {export}: 3 parameter(s) not loaded as they are "
+                                  "(2 skipped, 1 resampled):")
+    assert "['head']['kernel']: shape (16, 6) in the checkpoint, (16, 4) here" in warnings[0]
     q = ("encoder", "layer_0", "attention", "query", "kernel")
     np.testing.assert_array_equal(_get(loaded, q), _get(params, q))
     np.testing.assert_array_equal(loaded["head"]["kernel"], fresh["head"]["kernel"])  # 6 vs 4
