@@ -250,3 +250,26 @@ def test_tfds_corpus(wikitext_cfg):
     cfg.update(tfds_name="wikipedia/20230601.en", data_dir="/nonexistent", text_key="text")
     with pytest.raises(ValueError, match="(?s)could not be opened.*tfds build"):
         text.make_mlm_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)
+
+
+def test_glue_global_batches_do_not_depend_on_the_shard_count(shared_data):
+    """GLUE training (posjax.data.glue): shards 0 and 1 of 2 (4 rows each) concatenate to the
+    1-shard batch of 8, across an epoch boundary of a 40-example split."""
+    from posjax.data import glue
+
+    cfg = glue.default_glue_data_config("mrpc")
+    cfg.glue_dir = str(shared_data / "glue")
+    cfg.tokenizer = str(shared_data / "bert-base-uncased-vocab" / "vocab.txt")
+    cfg.update(train_split="train[:40]", max_seq_length=32)
+
+    def batches(batch_size, shard_index, shard_count):
+        p = glue.make_glue_pipeline(cfg, split="train", batch_size=batch_size, seed=1,
+                                    train=True, shard_index=shard_index,
+                                    shard_count=shard_count)
+        return [next(p.iterator) for _ in range(7)]   # 56 rows > 40 examples
+
+    whole = batches(8, 0, 1)
+    halves = [batches(4, i, 2) for i in range(2)]
+    for w, a, b in zip(whole, *halves):
+        for k in w:
+            np.testing.assert_array_equal(w[k], np.concatenate([a[k], b[k]]))

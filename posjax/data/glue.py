@@ -532,7 +532,9 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
 
     Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` int32 (b, L); ``label``
     int32 (b,) (float32 for STS-B; 0 on test splits); ``idx`` int32 (b,); ``mask`` bool (b,).
-    train=True: infinite, reshuffled each epoch; train=False: one pass, padded last batch.
+    train=True: infinite, reshuffled each epoch, the same global batches (one permutation of
+    the split per epoch) for any ``shard_count``; train=False: one pass over examples
+    ``i, i+n, ...``, padded last batch.
     """
     check_pipeline_call(split, batch_size, seed, shard_index, shard_count)
     validate_glue_data_config(cfg)
@@ -548,12 +550,14 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
     changed = report.bad_rows or report.empty_lines or report.truncated
     logging.log(logging.WARNING if changed else logging.INFO, "GLUE %s %s: %s", task.name, spec,
                 report.summary())
-    ds = grain.MapDataset.source(encoded)[shard_index::shard_count]
-    if train:
+    ds = grain.MapDataset.source(encoded)
+    if train:   # shard i of n: rows [i·b, (i+1)·b) of global batches of b·n examples
         ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True,
                                                   batch_fn=stack_examples)
+        ds = ds[shard_index::shard_count]
         num_batches = None
     else:
+        ds = ds[shard_index::shard_count]
         num_real = len(ds)
         num_batches = eval_batches_per_shard(len(encoded), shard_count, batch_size)
         padded = num_batches * batch_size
