@@ -78,8 +78,14 @@ class Checkpointer:
     # -- preemption ---------------------------------------------------------------------------
 
     def watch_preemption(self) -> None:
-        """Single process: SIGTERM sets a flag read by ``reached_preemption``. (With several
-        processes JAX's distributed runtime already turns SIGTERM into a sync point.)"""
+        """Single process: SIGTERM sets a flag read by ``reached_preemption``.
+
+        Several processes: nothing to install. ``jax.distributed.initialize`` installs a
+        SIGTERM handler (JAX's preemption service, on by default) that tells every process;
+        ``reached_preemption`` (JAX's ``reached_preemption_sync_point``, called every step) is
+        then True on all processes at the same step, one past the largest step any had
+        reached, whichever processes got the signal. A Python handler here would replace
+        JAX's. tests/test_multiprocess.py signals one of two processes."""
         if jax.process_count() == 1:
             def on_sigterm(signum, frame):
                 logging.warning("SIGTERM: will save a checkpoint after the current step and exit")
