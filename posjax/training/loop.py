@@ -170,12 +170,15 @@ def process_row_blocks(mesh: Mesh) -> dict[int, int]:
     sharding = mesh_lib.batch_sharding(mesh)
     for device, index in sharding.devices_indices_map((shards,)).items():
         rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
+    _check(shards % len(rows) == 0,
+           f"mesh {dict(mesh.shape)} has data x fsdp = {shards} batch shards, which do not "
+           f"split over the {len(rows)} processes: make data x fsdp a multiple of "
+           f"{len(rows)}")
     size = shards // len(rows)
     blocks = {p: min(r) // size for p, r in rows.items()}
     contiguous = all(r == set(range(blocks[p] * size, (blocks[p] + 1) * size))
                      for p, r in rows.items())
-    _check(shards % len(rows) == 0 and contiguous and sorted(blocks.values()) == list(
-        range(len(rows))),
+    _check(contiguous and sorted(blocks.values()) == list(range(len(rows))),
         f"mesh {dict(mesh.shape)} does not give each of the {len(rows)} processes its own "
         f"contiguous block of batch rows (batch shards by process: "
         f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple of "
