@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posjax.layers.dropout import Dropout, bit_width, dropout, keep_threshold
+from posjax.layers.dropout import Dropout, bit_width, dropout, keep_threshold, uniform_fields
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.25, 0.5, 0.9])
@@ -29,6 +29,16 @@ def test_bit_width_is_exact_for_multiples_of_1_256():
     assert bit_width(0.25) == 8 and keep_threshold(0.25, 8) == 64
     assert bit_width(0.1) == 16 and keep_threshold(0.1, 16) == 6554
     assert keep_threshold(0.99999999, 16) == 2 ** 16 - 1   # never drops everything
+
+
+@pytest.mark.parametrize("bits, shape", [(16, (3, 1001)), (8, (2, 7, 999)), (16, ())])
+def test_uniform_fields_cover_the_range_evenly(bits, shape):
+    u = np.asarray(uniform_fields(jax.random.key(4), shape, bits))
+    assert u.shape == shape and u.dtype == np.uint32 and u.max() < 2 ** bits
+    if u.size > 1:   # every block of the last axis (one per field of a word) is uniform
+        last = shape[-1]
+        for block in np.array_split(u.reshape(-1, last), 32 // bits, axis=1):
+            assert abs(block.mean() / (2 ** bits - 1) - 0.5) < 0.03
 
 
 def test_deterministic_and_zero_rate_are_identity():
