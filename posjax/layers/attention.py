@@ -5,11 +5,14 @@ differ only in which terms they add (DESIGN.md §2). Logits, masking and softmax
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from posjax.layers.dropout import Dropout
 
 Array = jax.Array
 
@@ -43,8 +46,13 @@ class Dense(nn.Module):
         in_shape = x.shape[x.ndim - self.num_in:]
         kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.names),
                             in_shape + self.features, jnp.float32)
-        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+        # One 2-D product (M, K)·(K, N) of free (row-major) reshapes: its gradients are 2-D
+        # products XLA:CPU runs without copying a transposed kernel (contracting a rank-3
+        # kernel over two axes made it materialise Wᵀ for dx in every step).
+        k = math.prod(in_shape)
+        y = jnp.dot(x.reshape(-1, k).astype(self.dtype),
+                    kernel.reshape(k, -1).astype(self.dtype))
+        y = y.reshape(x.shape[:x.ndim - self.num_in] + self.features)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(
                 nn.initializers.zeros_init(), self.names[self.num_in:]), self.features, jnp.float32)
@@ -77,10 +85,10 @@ def attention_weights(logits: Array, mask: Array | None) -> Array:
     logits = logits.astype(jnp.float32)
     if mask is None:
         return jax.nn.softmax(logits, axis=-1)
-    mask = jnp.broadcast_to(mask, logits.shape)
+    visible = jnp.any(mask, axis=-1, keepdims=True)   # on the mask's own (small) shape
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1)
-    return jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
+    return jnp.where(visible, weights, 0.0)
 
 
 def combine_heads(weights: Array, value: Array, dtype: jnp.dtype) -> Array:
@@ -145,7 +153,7 @@ class MultiHeadAttention(nn.Module):
             logits = logits + bias.astype(jnp.float32)
         weights = attention_weights(logits, mask)
         self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
-        weights = nn.Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
+        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
         out = combine_heads(weights, v, self.dtype)
         return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                      axis=(-2, -1))(out)
@@ -167,6 +175,6 @@ class Mlp(nn.Module):
                   kernel_init=self.kernel_init)(x)
         h = ACTIVATIONS[self.act](h)
         if self.inner_dropout:
-            h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
+            h = Dropout(self.dropout_rate)(h, deterministic=not train)
         return dense(x.shape[-1], ("mlp", "embed"), name="fc2", dtype=self.dtype,
                      kernel_init=self.kernel_init)(h)
