@@ -21,6 +21,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -36,7 +37,7 @@ MULTI = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "distributed.enabled"
          "distributed.num_processes": 2}
 
 
-def digits_tiny(**overrides) -> "ml_collections.ConfigDict":
+def digits_tiny(**overrides) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location("vit_digits", ROOT / "configs" / "vit_digits.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

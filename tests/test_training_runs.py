@@ -138,7 +138,7 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
     with caplog.at_level(logging.WARNING):
-        loaded = loop.init_from_pretrained(state, str(export), run.shardings).params
+        loaded = state_lib.load_init_from(state, str(export), run.shardings).params
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings     # one summary, not one line per parameter
     assert warnings[0].startswith(f"init_from {export}: 3 parameter(s) not loaded as they are "

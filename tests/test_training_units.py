@@ -13,6 +13,7 @@ from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
 from posjax.training import flops, loop, metrics, optim
 from posjax.training import mesh as mesh_lib
+from posjax.training import state as state_lib
 
 import test_training_synthetic as syn
 
@@ -228,7 +229,7 @@ def test_workdir_checks(tmp_path):
 def test_init_from_summary_counts_and_shows_the_first_notes():
     notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(7)]
     notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")
-    text = loop.init_from_summary("/ckpt", notes, shown=3)
+    text = state_lib.init_from_summary("/ckpt", notes, shown=3)
     assert text.splitlines() == [
         "init_from /ckpt: 8 parameter(s) not loaded as they are (7 skipped, 1 resampled):",
         *(f"  {n}" for n in notes[:3]), "  ... and 5 more"]

@@ -423,30 +423,8 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     if run.config.init_from:
-        state = init_from_pretrained(state, run.config.init_from, run.shardings)
+        state = state_lib.load_init_from(state, run.config.init_from, run.shardings)
     return state, 0
-
-
-def init_from_pretrained(state: state_lib.TrainState, path: str,
-                         shardings: state_lib.TrainState) -> state_lib.TrainState:
-    """``state`` with the params of ``path`` merged in (``state.merge_pretrained``); one WARNING
-    when some are not taken as they are (see ``init_from_summary``)."""
-    loaded, pretrained_cfg = state_lib.read_pretrained(path, state.params, shardings.params)
-    params, notes = state_lib.merge_pretrained(state.params, loaded, shardings.params,
-                                               pretrained_cfg)
-    if notes:
-        logging.warning("%s", init_from_summary(path, notes))
-    return state.replace(params=params)
-
-
-def init_from_summary(path: str, notes: list[str], shown: int = 5) -> str:
-    """'init_from P: N parameter(s) not loaded as they are (k skipped, r resampled): ' and the
-    first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened')."""
-    resampled = sum("resampled" in n for n in notes)
-    head = (f"init_from {path}: {len(notes)} parameter(s) not loaded as they are "
-            f"({len(notes) - resampled} skipped, {resampled} resampled):")
-    more = [f"... and {len(notes) - shown} more"] if len(notes) > shown else []
-    return "\n  ".join([head, *notes[:shown], *more])
 
 
 def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,

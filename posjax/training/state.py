@@ -210,9 +210,20 @@ def _flatten(tree: Any) -> dict[str, Any]:
 
 
 def load_init_from(state: TrainState, path: str, shardings: TrainState) -> TrainState:
-    """``state`` with params from the converter checkpoint at ``path`` (see merge_pretrained)."""
+    """``state`` with the params of ``path`` merged in (``merge_pretrained``); one WARNING when
+    some are not taken as they are (see ``init_from_summary``)."""
     loaded, pretrained_cfg = read_pretrained(path, state.params, shardings.params)
     params, notes = merge_pretrained(state.params, loaded, shardings.params, pretrained_cfg)
-    for line in notes:
-        logging.warning("init_from %s: %s", path, line)
+    if notes:
+        logging.warning("%s", init_from_summary(path, notes))
     return state.replace(params=params)
+
+
+def init_from_summary(path: str, notes: list[str], shown: int = 5) -> str:
+    """'init_from P: N parameter(s) not loaded as they are (k skipped, r resampled):' and the
+    first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened')."""
+    resampled = sum("resampled" in n for n in notes)
+    head = (f"init_from {path}: {len(notes)} parameter(s) not loaded as they are "
+            f"({len(notes) - resampled} skipped, {resampled} resampled):")
+    more = [f"... and {len(notes) - shown} more"] if len(notes) > shown else []
+    return "\n  ".join([head, *notes[:shown], *more])
