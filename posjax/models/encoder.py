@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
 from posjax.layers.disentangled import DisentangledAttention
+from posjax.layers.dropout import Dropout
 from posjax.layers.position_bias import T5RelativeBias, TupePositionBias
 from posjax.models.config import TextConfig, ViTConfig
 
@@ -77,7 +78,7 @@ class EncoderLayer(nn.Module):
             def attend(q, kv):
                 return attention(q, kv, mask=mask, bias=terms.get("bias"), train=train)
 
-        drop = nn.Dropout(cfg.dropout_rate)
+        drop = Dropout(cfg.dropout_rate)
         mlp = Mlp(cfg.mlp_dim, cfg.hidden_act, dtype=dtype, dropout_rate=cfg.dropout_rate,
                   inner_dropout=self.pre_ln, name="mlp")
         norm1 = layer_norm(cfg.layer_norm_eps, name="attention_norm", dtype=dtype)
@@ -107,7 +108,7 @@ class ConvLayer(nn.Module):
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
                     name="conv")(x)
         y = jnp.where(token_mask[..., None], y, 0)
-        y = ACTIVATIONS[cfg.conv_act](nn.Dropout(cfg.dropout_rate)(y, deterministic=not train))
+        y = ACTIVATIONS[cfg.conv_act](Dropout(cfg.dropout_rate)(y, deterministic=not train))
         out = layer_norm(cfg.layer_norm_eps, name="norm", dtype=dtype)(residual + y)
         return out * token_mask[..., None].astype(out.dtype)
 
