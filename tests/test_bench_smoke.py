@@ -112,3 +112,24 @@ def test_xla_options_parse_to_compile_options():
 def test_gpu_mode_without_gpu_says_how_to_fix(capsys):
     assert bench_run.main(["--gpu", "compile"]) == 2
     assert "--smoke" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--before", "no-such-revision"], "neither a git revision"),
+    (["--models", "GPT"], "unknown ['GPT']"),
+    (["--rounds", "2"], "--rounds=2"),
+    (["--after-option", "fusion"], "is not xla_KEY=VALUE"),
+])
+def test_ab_bad_command_lines_fail_before_building(argv, message, capsys):
+    from bench import ab
+    assert ab.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ab_imports_an_older_revision_as_its_own_package(tmp_path):
+    import posjax
+    from bench.ab import import_variant
+    old = import_variant("HEAD", "before", tmp_path)
+    assert old.__name__.startswith("posjax_before_") and old is not posjax
+    assert old.TextConfig is not posjax.TextConfig
+    assert old.layers.attention.__name__.startswith(old.__name__)   # imports rewritten
