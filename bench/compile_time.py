@@ -1,4 +1,5 @@
-"""Suite ``compile``: time to lower and compile one training step at 12 and 24 layers.
+"""Suite ``compile``: time to lower and compile one training step at 12 and 24 layers, and
+what scan-over-layers costs per step once compiled.
 
 The model is the DeBERTa-v3 classifier of the throughput suite at base width (768, the most
 ops per layer of our schemes), batch 8 × 128, fp32 (bf16 with ``--gpu``). Only shapes are
@@ -8,15 +9,17 @@ or run. Each depth is compiled twice: the unrolled stack and ``scan_layers=True`
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import flax.linen as nn
 import jax
 import optax
 
-from bench.common import Budget, Scale, Table
-from bench.workloads import (LEARNING_RATE, WEIGHT_DECAY, Workload, build_model, make_batch,
-                             make_train_step, text_config)
+from bench.common import Budget, Scale, Table, median_ratio, ratio_range, timed
+from bench.workloads import (LEARNING_RATE, WEIGHT_DECAY, OursTrainer, Workload, build_model,
+                             make_batch, make_train_step, text_config, throughput_workloads)
+from posjax import TextConfig
 
 
 def compile_seconds(w: Workload, compiler_options: dict | None = None) -> float:
@@ -51,6 +54,38 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
                                       scale.compiler_options))
         rows.append(row)
     notes = ["Seconds for lower + compile of jit(value_and_grad + AdamW), donated state."]
-    return [Table("Compile time of one training step (DeBERTa-v3 layers, width "
+    return [compile_table(rows, notes, cfg), step_table(scale, budget)]
+
+
+def step_table(scale: Scale, budget: Budget) -> Table:
+    """Train-step time of the throughput suite's text models, scanned vs unrolled layers,
+    stepped alternately (one warm-up step each; the order flips every round)."""
+    rows = []
+    text = [w for w in throughput_workloads(scale.name if scale.smoke else "cpu", scale.dtype)
+            if w.is_text]
+    for w in text[:1] if scale.smoke else text:
+        if budget.left() <= 0:
+            break
+        scanned = dataclasses.replace(w, cfg=dataclasses.replace(w.cfg, scan_layers=True))
+        pair = [OursTrainer(w, compiler_options=scale.compiler_options),
+                OursTrainer(scanned, compiler_options=scale.compiler_options)]
+        for trainer in pair:
+            trainer.step()
+        times: list[list[float]] = [[], []]
+        for r in range(scale.runs):
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                times[i].append(timed(pair[i].step))
+        rows.append([w.name, 1000 * min(times[0]), 1000 * min(times[1]),
+                     median_ratio(times[1], times[0]), ratio_range(times[1], times[0]),
+                     scale.runs])
+    return Table("Train-step time with scan-over-layers (same process, alternating)",
+                 ["model", "unrolled ms (min)", "scanned ms (min)", "scanned/unrolled",
+                  "range", "rounds"], rows,
+                 ["scanned/unrolled: median over rounds of the per-round ratio (< 1: scan is "
+                  "faster)."])
+
+
+def compile_table(rows: list, notes: list[str], cfg: TextConfig) -> Table:
+    return Table("Compile time of one training step (DeBERTa-v3 layers, width "
                   f"{cfg.hidden_size}, batch 8 × 128)",
-                  ["layers", "unrolled s", "scan-over-layers s"], rows, notes)]
+                  ["layers", "unrolled s", "scan-over-layers s"], rows, notes)
