@@ -1,8 +1,9 @@
 """Real 2-process training with train.py (127.0.0.1 coordinator, 2 x 4 CPU devices, gloo
 collectives, mesh data 2 x fsdp 2 x tensor 2) on the digits config, with dropout and mixup:
 
-* preemption: SIGTERM to process 1 only makes both processes stop after the same step, save
-  it (both iterator states) and exit 0; a second launch resumes and finishes;
+* preemption: SIGTERM to process 1 only, and later to both processes, makes both processes
+  stop after the same step, save it (both iterator states) and exit 0; the next launch
+  resumes from there, the last one finishes;
 * the interrupted-and-resumed 2-process run equals the uninterrupted 1-process 8-device run
   (mesh data 8): loss at every step within 1e-5, the same eval and final parameters. This
   holds because the input pipeline's global batches do not depend on the process count.
@@ -91,16 +92,20 @@ def _stopped_step(output: str) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 2-process run: SIGTERM to process 1 once process 0 has finished step 2 (meanwhile
-    this process makes the 1-process run), then a second launch resumes to the end."""
+    """The 2-process run, preempted twice: SIGTERM to process 1 once process 0 has finished
+    step 2 (meanwhile this process makes the 1-process run); a second launch resumes and gets
+    SIGTERM in BOTH processes two steps after its start; a third resumes to the end."""
     root = tmp_path_factory.mktemp("multiprocess")
     single, multi = root / "single", root / "multi"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(launch, multi, root, "first", sigterm_to=(1,), after_step=2)
         loop.train(digits_tiny(**OVERRIDES), single)
         first = first.result()
-    second = launch(multi, root, "second")
-    return single, multi, first, second
+    resumed_at = _stopped_step(first[0][0])
+    assert resumed_at + 2 < NUM_STEPS - 1, "the first preemption came too late to test a second"
+    second = launch(multi, root, "second", sigterm_to=(0, 1), after_step=resumed_at + 2)
+    third = launch(multi, root, "third")
+    return single, multi, first, second, third
 
 
 def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -111,7 +116,7 @@ def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(runs):
-    _, multi, first, second = runs
+    _, multi, first, second, _ = runs
     stopped = _stopped_step(first[0][0])
     for output, code in first:
         assert code == 0, output[-3000:]
@@ -123,14 +128,24 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(runs):
     assert files == ["process_0-of-2.json", "process_1-of-2.json"]
     evals = [p.name for p in (multi / "checkpoints").glob("eval_*.json")]
     assert evals == [f"eval_{NUM_STEPS}_test.json"]     # none at the preempted step
-    for output, code in second:
-        assert code == 0 and "preempted" not in output, output[-3000:]
     assert f"resuming from {multi / 'checkpoints' / str(stopped)}" in second[0][0]
-    assert f"final eval at step {NUM_STEPS}" in second[0][0]
+
+
+def test_sigterm_to_both_processes_stops_both_at_the_same_step(runs):
+    _, multi, first, second, third = runs
+    first_stop, stopped = _stopped_step(first[0][0]), _stopped_step(second[0][0])
+    for output, code in second:
+        assert code == 0, output[-3000:]
+        assert _stopped_step(output) == stopped
+    assert first_stop + 2 <= stopped < NUM_STEPS
+    for output, code in third:
+        assert code == 0 and "preempted" not in output, output[-3000:]
+    assert f"resuming from {multi / 'checkpoints' / str(stopped)}" in third[0][0]
+    assert f"final eval at step {NUM_STEPS}" in third[0][0]
 
 
 def test_two_processes_equal_one_process(runs):
-    single, multi, _, _ = runs
+    single, multi, *_ = runs
     losses_multi, losses_single = _train_losses(multi), _train_losses(single)
     assert sorted(losses_multi) == sorted(losses_single) == list(range(1, NUM_STEPS + 1))
     for step, loss in losses_single.items():
