@@ -289,3 +289,27 @@ def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
     assert peak.mfu(300.0) == 0.75 and peak.value == 400.0      # re-measured 400
     fixed = metrics.PeakFlops(100.0, "config.peak_flops")
     assert fixed.mfu(200.0) == 2.0 and fixed.value == 100.0     # a configured peak is kept
+
+
+def test_process_row_blocks_on_the_local_mesh():
+    mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
+    assert loop.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
+
+
+@pytest.mark.parametrize("rows,shards,expected", [
+    ({0: {0, 1}, 1: {2, 3}}, 4, {0: 0, 1: 1}),
+    ({1: {0, 1}, 0: {2, 3}}, 4, {1: 0, 0: 1}),          # process 1 may own the first block
+    ({0: {0}, 1: {1}, 2: {2}, 3: {3}}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
+])
+def test_row_blocks_of_contiguous_shards(rows, shards, expected):
+    assert loop.row_blocks(rows, shards, "mesh M") == expected
+
+
+@pytest.mark.parametrize("rows,shards,match", [
+    ({0: {0, 2}, 1: {1, 3}}, 4, "contiguous block"),    # interleaved along data x fsdp
+    ({0: {0, 1}, 1: {0, 1}}, 2, "contiguous block"),    # both processes on the same rows
+    ({0: {0, 1, 2}, 1: {3, 4}}, 5, "do not split over the 2 processes"),
+])
+def test_row_blocks_refuse_meshes_the_pipeline_cannot_feed(rows, shards, match):
+    with pytest.raises(ValueError, match=match):
+        loop.row_blocks(rows, shards, "mesh M")

@@ -170,19 +170,25 @@ def process_row_blocks(mesh: Mesh) -> dict[int, int]:
     sharding = mesh_lib.batch_sharding(mesh)
     for device, index in sharding.devices_indices_map((shards,)).items():
         rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
+    return row_blocks(rows, shards, f"mesh {dict(mesh.shape)}")
+
+
+def row_blocks(rows: dict[int, set[int]], shards: int, where: str) -> dict[int, int]:
+    """{process: k} from the batch shards each process holds ({process: shard indices} of
+    ``shards``): process p must hold exactly the contiguous shards of block k, blocks of
+    shards / processes, one block per process. ``where`` names the mesh in the error."""
     _check(shards % len(rows) == 0,
-           f"mesh {dict(mesh.shape)} has data x fsdp = {shards} batch shards, which do not "
-           f"split over the {len(rows)} processes: make data x fsdp a multiple of "
-           f"{len(rows)}")
+           f"{where} has data x fsdp = {shards} batch shards, which do not split over the "
+           f"{len(rows)} processes: make data x fsdp a multiple of {len(rows)}")
     size = shards // len(rows)
     blocks = {p: min(r) // size for p, r in rows.items()}
     contiguous = all(r == set(range(blocks[p] * size, (blocks[p] + 1) * size))
                      for p, r in rows.items())
     _check(contiguous and sorted(blocks.values()) == list(range(len(rows))),
-        f"mesh {dict(mesh.shape)} does not give each of the {len(rows)} processes its own "
-        f"contiguous block of batch rows (batch shards by process: "
-        f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple of "
-        "the process count, with each process's devices adjacent along data x fsdp")
+           f"{where} does not give each of the {len(rows)} processes its own contiguous block "
+           f"of batch rows (batch shards by process: "
+           f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple "
+           "of the process count, with each process's devices adjacent along data x fsdp")
     return blocks
 
 
