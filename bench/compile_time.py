@@ -61,8 +61,7 @@ def step_table(scale: Scale, budget: Budget) -> Table:
     """Train-step time of the throughput suite's text models, scanned vs unrolled layers,
     stepped alternately (one warm-up step each; the order flips every round)."""
     rows = []
-    text = [w for w in throughput_workloads(scale.name if scale.smoke else "cpu", scale.dtype)
-            if w.is_text]
+    text = [w for w in throughput_workloads(scale.name, scale.dtype) if w.is_text]
     for w in text[:1] if scale.smoke else text:
         if budget.left() <= 0:
             break
