@@ -2,7 +2,9 @@
 
 The scheme decides (i) what the embeddings add to the input (outside this module) and (ii) the
 additive attention-logit terms, which ``Encoder.position_terms`` computes ONCE per forward and
-hands to every layer. Text uses post-LN blocks, ViT pre-LN blocks.
+hands to every layer. Text uses post-LN blocks, ViT pre-LN blocks. The layers are either
+unrolled (``layer_i`` submodules) or, with ``scan_layers``, one ``lax.scan`` over parameters
+stacked on a leading axis (``posjax.models.layout`` converts between the two layouts).
 """
 from __future__ import annotations
 
