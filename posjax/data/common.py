@@ -1,8 +1,10 @@
 """Pieces every input pipeline (images, MLM text, GLUE) shares."""
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
+import grain
 import numpy as np
 
 Example = dict[str, np.ndarray]
@@ -30,6 +32,21 @@ def ceil_div(a: int, b: int) -> int:
 def eval_batches_per_shard(num_examples: int, shard_count: int, batch_size: int) -> int:
     """Batches of one evaluation pass, equal on every shard (the short shards pad)."""
     return ceil_div(ceil_div(num_examples, shard_count), batch_size)
+
+
+def pad_to_full_batches(shard: grain.MapDataset, num_batches: int, batch_size: int,
+                        mark: Callable[..., Example]) -> grain.MapDataset:
+    """One evaluation pass over ``shard`` as exactly ``num_batches`` full batches: the shard is
+    repeated and cut to ``num_batches · batch_size`` examples, and ``mark(example, real=...)``
+    tells the real ones from the repeats (``real=False`` at positions >= len(shard))."""
+    padded = num_batches * batch_size
+    return shard.repeat(ceil_div(padded, len(shard)))[:padded].map_with_index(
+        functools.partial(_mark_real, num_real=len(shard), mark=mark))
+
+
+def _mark_real(index: int, example: Example, *, num_real: int,
+               mark: Callable[..., Example]) -> Example:
+    return mark(example, real=index < num_real)
 
 
 def stack_examples(examples: Sequence[Example]) -> Example:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -57,8 +56,8 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, ceil_div, eval_batches_per_shard,
-                                 stack_examples)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard,
+                                 pad_to_full_batches, stack_examples)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01
@@ -520,9 +519,9 @@ class GluePipeline:
     labelled: bool
 
 
-def _mask_beyond(index: int, example: Example, num_real: int) -> Example:
-    """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
-    return example if index < num_real else dict(example, mask=np.bool_(False))
+def _mark_padding(example: Example, *, real: bool) -> Example:
+    """Evaluation padding: a repeated example gets mask False."""
+    return example if real else dict(example, mask=np.bool_(False))
 
 
 def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size: int,
@@ -557,12 +556,9 @@ def make_glue_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size
         ds = ds[shard_index::shard_count]
         num_batches = None
     else:
-        ds = ds[shard_index::shard_count]
-        num_real = len(ds)
         num_batches = eval_batches_per_shard(len(encoded), shard_count, batch_size)
-        padded = num_batches * batch_size
-        ds = ds.repeat(ceil_div(padded, num_real))[:padded].map_with_index(
-            functools.partial(_mask_beyond, num_real=num_real))
+        ds = pad_to_full_batches(ds[shard_index::shard_count], num_batches, batch_size,
+                                 _mark_padding)
         ds = ds.batch(batch_size, drop_remainder=True, batch_fn=stack_examples)
     iter_ds = ds.to_iter_dataset()
     return GluePipeline(iter(iter_ds), iter_ds, len(encoded), num_batches, report,

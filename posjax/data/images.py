@@ -73,7 +73,8 @@ import numpy as np
 from absl import flags
 
 from posjax.data import sources
-from posjax.data.common import check_pipeline_call, ceil_div, eval_batches_per_shard
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard,
+                                 pad_to_full_batches)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -230,11 +231,6 @@ def full_view(example: Example, *, real: bool = True) -> Example:
             "flip": np.bool_(False)}
 
 
-def eval_view(index: int, example: Example, *, num_real: int) -> Example:
-    """Evaluation padding: positions >= ``num_real`` repeat earlier examples with mask False."""
-    return full_view(example, real=index < num_real)
-
-
 def bilinear_taps(start: np.ndarray, length: np.ndarray, extent: int,
                   size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Taps along one axis for boxes [start, start + length) of (b,) resampled to ``size``.
@@ -381,9 +377,7 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     else:  # every shard pads to the same number of full batches
         ds = ds[selected.start + shard_index:selected.stop:shard_count]
         num_batches = eval_batches_per_shard(len(selected), shard_count, batch_size)
-        padded, num_real = num_batches * batch_size, len(ds)
-        ds = ds.repeat(ceil_div(padded, num_real))[:padded].map_with_index(
-            functools.partial(eval_view, num_real=num_real))
+        ds = pad_to_full_batches(ds, num_batches, batch_size, full_view)
 
     same_size = (height, width) == (size, size)
     if height is None:  # images differ in size: resize each before batching

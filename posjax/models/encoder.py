@@ -214,15 +214,15 @@ class Encoder(nn.Module):
         if self.cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
         last, (outputs, sown) = jax.lax.scan(body, h, (params, rngs))
-        self._resow(sown, count)
+        for i in range(count):   # the scan stacked each layer's intermediates on axis 0
+            self._resow(jax.tree.map(lambda a: a[i], sown))
         return last, outputs
 
-    def _resow(self, sown: Any, count: int) -> None:
-        """Re-sow what the scanned layers sowed (stacked on axis 0), one entry per layer."""
-        for path, stacked in jax.tree_util.tree_leaves_with_path(sown):
+    def _resow(self, sown: Any) -> None:
+        """Sow here what one functionally applied layer sowed (attention maps, for plots)."""
+        for path, value in jax.tree_util.tree_leaves_with_path(sown):
             name = path[-2].key   # path ends (..., sow name, index in the sown tuple)
-            for i in range(count):
-                self.sow("intermediates", name, stacked[i])
+            self.sow("intermediates", name, value)
 
     def position_terms(self, length: int) -> dict[str, Array]:
         """The additive terms every layer shares, computed once: {'bias': (h, L, L)} or
@@ -285,7 +285,7 @@ class Encoder(nn.Module):
             for _ in range(2):
                 query, sown = self._apply_layer(last, query, hidden_prev, mask, terms,
                                                 query_positions, train, self._dropout_rng(train))
-                self._resow(jax.tree.map(lambda a: a[None], sown), 1)
+                self._resow(sown)
             return query
         layer = self.layers[-1]
         for _ in range(2):
@@ -303,7 +303,7 @@ class Encoder(nn.Module):
             first = jax.tree.map(lambda p: p[0], params)
             out, sown = self._apply_layer(first, x, x, mask, terms, None, train,
                                           self._dropout_rng(train))
-            self._resow(jax.tree.map(lambda a: a[None], sown), 1)
+            self._resow(sown)
             h = self.conv(x, out, token_mask, train)
             head = [h]
             params = jax.tree.map(lambda p: p[1:], params)
