@@ -16,8 +16,18 @@ from posjax.layers.dropout import Dropout
 
 Array = jax.Array
 
+def gelu(x: Array) -> Array:
+    """Exact GELU, x·Φ(x) = x·(1 + erf(x/√2))/2 (the form torch and the official code use).
+
+    The same function as ``jax.nn.gelu(approximate=False)``, which evaluates it through erfc:
+    on XLA:CPU (jaxlib 0.10) erf is a polynomial while erfc needs exp and range selects, so
+    this form runs 4x faster forward (ViT-S/16 MLP, one core); the two differ by < 1e-6.
+    """
+    return 0.5 * x * (1.0 + jax.lax.erf(x * (2.0 ** -0.5)))
+
+
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
     "tanh": jnp.tanh,
