@@ -40,7 +40,9 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
     for idx in index:
         cols = (_toeplitz_columns(idx) if method == "shift" and isinstance(idx, np.ndarray)
                 else None)
-        if cols is not None and len(cols) <= table.shape[0]:
+        if isinstance(idx, np.ndarray) and idx.ndim == 2 and 1 in idx.shape:
+            term = _thin_position_logits(content, table, idx)
+        elif cols is not None and len(cols) <= table.shape[0]:
             term = _skew(jnp.einsum("bqhd,chd->bhqc", content, table[cols],
                                     preferred_element_type=jnp.float32))
         else:
@@ -50,6 +52,17 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
             term = relative_gather(full, idx, method)
         total = term if total is None else total + term
     return total
+
+
+def _thin_position_logits(content: Array, table: Array, index: np.ndarray) -> Array:
+    """``position_logits`` for one static row (1, Lc) or column (La, 1) of pairs, e.g. the
+    [CLS] query alone (``Encoder(first_only=True)``): gather the n table rows it names and
+    multiply them directly, O(n·d) per head instead of the O(n·R·d) product with the table."""
+    rows = table[index.reshape(-1)]                               # (n, h, d)
+    if index.shape[0] == 1:                                       # out[., ., 0, c]
+        return jnp.einsum("bahd,chd->bhac", content, rows, preferred_element_type=jnp.float32)
+    return jnp.einsum("bahd,ahd->bha", content, rows,            # out[., ., a, 0]
+                      preferred_element_type=jnp.float32)[..., None]
 
 
 def relative_gather(full: Array, index: Array | np.ndarray, method: str = "take") -> Array:
@@ -122,7 +135,8 @@ class DisentangledAttention(nn.Module):
     def relative_index(self, num_queries: int, num_keys: int,
                        query_positions: Array | None) -> tuple[Array | np.ndarray, ...]:
         """Rows of the (A·2k, H) table per pair and axis: each (Lq, Lk), or (B, Lq, Lk) for
-        explicit ``query_positions`` (B, Lq) such as the EMD's masked positions."""
+        explicit ``query_positions`` (B, Lq) such as the EMD's masked positions; static numpy
+        positions (1, Lq) shared by every example (the [CLS] query) give a static (Lq, Lk)."""
         span = self.effective_span(num_keys)
         rel = functools.partial(positions.deberta_relative_index, span=span,
                                 bucket_size=self.position_buckets,
@@ -137,6 +151,8 @@ class DisentangledAttention(nn.Module):
             if query_positions is None:
                 assert num_queries == num_keys
                 out.append(full)
+            elif isinstance(query_positions, np.ndarray) and query_positions.shape[0] == 1:
+                out.append(full[query_positions[0]])   # static rows shared by the batch
             else:
                 out.append(jnp.take(jnp.asarray(full), query_positions, axis=0))
         return tuple(out)
@@ -174,7 +190,8 @@ class DisentangledAttention(nn.Module):
             pos_query = query if self.share_att_key else dense(
                 hd, names, name="pos_query", dtype=self.dtype)
             query_rows = pos_query(rel_table)                       # (A·2k, h, d)
-            if query_positions is None:   # p2c[i, j] = K_c[j]·Q_r[δ(i, j)]: gather by δᵀ
+            if all(isinstance(idx, np.ndarray) for idx in index):
+                # p2c[i, j] = K_c[j]·Q_r[δ(i, j)]: gather by δᵀ
                 p2c = position_logits(k, query_rows, tuple(idx.T for idx in index), self.gather)
                 logits = logits + jnp.swapaxes(p2c, -1, -2) * scale
             else:

@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
 from posjax.layers.disentangled import DisentangledAttention
@@ -150,7 +151,7 @@ class Encoder(nn.Module):
             if cfg.norm_rel_ebd:
                 self.rel_norm = layer_norm(cfg.layer_norm_eps, name="rel_norm",
                                            dtype=jnp.float32)
-        if isinstance(cfg, TextConfig) and cfg.conv_kernel_size:
+        if self._has_conv:
             self.conv = ConvLayer(cfg)
         if cfg.scan_layers:
             # One parameter tree with a leading 'layers' axis: params['layers'][...] of shape
@@ -254,21 +255,48 @@ class Encoder(nn.Module):
         return keys
 
     def __call__(self, x: Array, token_mask: Array, *, train: bool = False,
-                 return_all: bool = False) -> Array | list[Array]:
-        """x: (B, L, H) embedded tokens; token_mask: (B, L) bool -> (B, L, H) (or every layer's)."""
+                 return_all: bool = False, first_only: bool = False) -> Array | list[Array]:
+        """x: (B, L, H) embedded tokens; token_mask: (B, L) bool -> (B, L, H) (or every layer's).
+
+        ``first_only``: the caller reads only token 0 (a [CLS] classifier), so the last layer
+        computes only that row: its query, one attention row over every key, the MLP. Returns
+        (B, 1, H), equal to ``[:, :1]`` of the full output (dropout masks aside), for ~1/L of
+        the last layer's cost. While intermediates are captured the full (B, L, H) is computed,
+        so attention maps stay whole.
+        """
+        if return_all and first_only:
+            raise ValueError("return_all=True needs every token of every layer: "
+                             "set first_only=False")
         terms = self.position_terms(x.shape[1])
         mask = self.attention_mask(token_mask)
+        first_only = first_only and not self.is_mutable_collection("intermediates") and not (
+            self._has_conv and self.cfg.num_layers == 1)   # the conv needs layer 0 in full
         if self.cfg.scan_layers:
-            return self._scanned_call(x, token_mask, mask, terms, train, return_all)
+            return self._scanned_call(x, token_mask, mask, terms, train, return_all, first_only)
         outputs = []
         h = x
         for i, layer in enumerate(self.layers):
+            if first_only and i == len(self.layers) - 1:
+                return layer(*self._first_query(h, mask, terms), train)
             out = layer(h, h, mask, terms, None, train)
-            if i == 0 and isinstance(self.cfg, TextConfig) and self.cfg.conv_kernel_size:
+            if i == 0 and self._has_conv:
                 out = self.conv(x, out, token_mask, train)
             outputs.append(out)
             h = out
         return outputs if return_all else h
+
+    @property
+    def _has_conv(self) -> bool:
+        return isinstance(self.cfg, TextConfig) and bool(self.cfg.conv_kernel_size)
+
+    @staticmethod
+    def _first_query(h: Array, mask: Array, terms: dict[str, Any]
+                     ) -> tuple[Array, Array, Array, dict[str, Any], Array]:
+        """A layer's (x_q, x_kv, mask, terms, query_positions) for token 0's query alone:
+        (B, 1, H) queries against all (B, L, H) keys; the (·, ·, Lq, Lk) mask and shared bias
+        cut to row 0; DeBERTa's relative index taken at query position 0 (static, shared)."""
+        rows = {k: v[:, :, :1] if k == "bias" else v for k, v in terms.items()}
+        return h[:, :1], h, mask[:, :, :1], rows, np.zeros((1, 1), np.int32)
 
     def enhanced_mask_decoder(self, hidden_prev: Array, z: Array, token_mask: Array,
                               query_positions: Array | None, train: bool = False) -> Array:
@@ -293,13 +321,14 @@ class Encoder(nn.Module):
         return query
 
     def _scanned_call(self, x: Array, token_mask: Array, mask: Array, terms: dict[str, Any],
-                      train: bool, return_all: bool) -> Array | list[Array]:
+                      train: bool, return_all: bool, first_only: bool) -> Array | list[Array]:
         """The layer loop of ``__call__`` as one scan (DeBERTa-v2's conv after layer 0 needs
-        layer 0 on its own: it is applied first, then the scan runs over layers 1…N−1)."""
+        layer 0 on its own: it is applied first, then the scan runs over layers 1…N−1; with
+        ``first_only`` the last layer runs after the scan, on token 0's query)."""
         params = self.layer_stack
         head: list[Array] = []
         h = x
-        if isinstance(self.cfg, TextConfig) and self.cfg.conv_kernel_size:
+        if self._has_conv:
             first = jax.tree.map(lambda p: p[0], params)
             out, sown = self._apply_layer(first, x, x, mask, terms, None, train,
                                           self._dropout_rng(train))
@@ -307,6 +336,14 @@ class Encoder(nn.Module):
             h = self.conv(x, out, token_mask, train)
             head = [h]
             params = jax.tree.map(lambda p: p[1:], params)
+        if first_only:
+            last = jax.tree.map(lambda p: p[-1], params)
+            params = jax.tree.map(lambda p: p[:-1], params)
+            if jax.tree.leaves(params)[0].shape[0]:
+                h, _ = self._scan(params, h, mask, terms, train)
+            out, _ = self._apply_layer(last, *self._first_query(h, mask, terms), train,
+                                       self._dropout_rng(train))
+            return out
         h, outputs = self._scan(params, h, mask, terms, train)
         if not return_all:
             return h

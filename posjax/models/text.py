@@ -104,8 +104,13 @@ class TextEncoder(nn.Module):
                 f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
 
     def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
-                 *, train: bool = False) -> Array:
-        return self.hidden_states(input_ids, attention_mask, token_type_ids, train=train)[0][-1]
+                 *, train: bool = False, first_only: bool = False) -> Array:
+        """Last hidden states (B, L, H); ``first_only``: the caller reads only [CLS], (B, 1, H)
+        (``Encoder``: the last layer computes that row alone)."""
+        self._check_length(input_ids)
+        token_mask = attention_mask.astype(bool)
+        x, _ = self.embeddings(input_ids, token_mask, token_type_ids, train)
+        return self.encoder(x, token_mask, train=train, first_only=first_only)
 
     def hidden_states(self, input_ids: Array, attention_mask: Array,
                       token_type_ids: Array | None = None, *, train: bool = False
@@ -176,7 +181,8 @@ class TextForSequenceClassification(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Array,
                  token_type_ids: Array | None = None, *, train: bool = False) -> Array:
         cfg = self.cfg
-        h = TextEncoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, train=train)
+        h = TextEncoder(cfg, name="encoder")(input_ids, attention_mask, token_type_ids, train=train,
+                                             first_only=True)
         x = Dropout(cfg.dropout_rate)(h[:, 0], deterministic=not train)
         x = dense(cfg.hidden_size, ("embed", "mlp"), name="pooler", dtype=compute_dtype(cfg))(x)
         x = ACTIVATIONS[cfg.pooler_act](x)

@@ -135,7 +135,7 @@ class ViT(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         token_mask = jnp.ones(x.shape[:2], bool)
         x = Encoder(cfg, pre_ln=True, grid=(gh, gw), has_cls=has_cls, name="encoder")(
-            x, token_mask, train=train)
+            x, token_mask, train=train, first_only=has_cls)   # 'token' pooling reads row 0
         x = layer_norm(cfg.layer_norm_eps, name="encoder_norm", dtype=dtype)(x)
         if cfg.pooling == "token":
             x = x[:, 0]
