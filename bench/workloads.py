@@ -24,7 +24,6 @@ import optax
 
 from bench.common import block
 from posjax import TextConfig, TextForSequenceClassification, ViT, ViTConfig
-from posjax.models.encoder import relative_span
 from posjax.training import flops
 
 LEARNING_RATE = 1e-4
@@ -119,34 +118,23 @@ def throughput_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
 # --------------------------------------------------------------------------- analytic FLOPs
 
 def forward_flops(w: Workload) -> float:
-    """Matmul FLOPs of one forward pass over the whole batch (2 per multiply-add).
-
-    Per-sequence terms come from ``posjax.training.flops`` (per layer: projections
-    2·L·4H², MLP 2·L·2HF, scores and weighted values 4·L²·H). Terms that do not depend on the
-    batch are counted once per step, not once per example:
-      DeBERTa, per layer and position term (R = 2k table rows): 2·L·R·H per sequence plus the
-        table projection 2·R·H² once;
-      TUPE: the position correlation 4·(L+1)·H² + 2·(L+1)²·H once per forward.
-    Heads: text pooler 2H² + classifier 2H·C per example; ViT as ``flops.vit_forward_flops``.
-    Embedding lookups, LayerNorm, softmax, dropout and the optimizer count as zero.
+    """Matmul FLOPs of one forward pass over the whole batch (2 per multiply-add), as
+    ``posjax.training.flops`` counts them for the model as it runs: per layer projections
+    2·L·4H², MLP 2·L·2HF, scores and weighted values 4·L²·H, except that the last layer of a
+    [CLS] classifier computes token 0 alone (``Encoder(first_only=True)``). Terms that do not
+    depend on the batch are counted once per step: DeBERTa's table projections 2·R·H² per
+    layer and term (R = 2k rows; the products with the content 2·L·R·H per sequence), TUPE's
+    position correlation. Heads: text pooler 2H² + classifier 2H·C per example; ViT as
+    ``flops.vit_forward_flops``. Embedding lookups, LayerNorm, softmax, dropout and the
+    optimizer count as zero. HF computes every row of the last layer: the same count
+    understates its work by that layer's other rows (see BENCHMARKS.md).
     """
     cfg, b, seq = w.cfg, w.batch, w.tokens
     if not w.is_text:
         return flops.vit_forward_flops(cfg).total(b)
     h = cfg.hidden_size
-    per_seq = cfg.num_layers * flops.attention_layer_flops(seq, h, cfg.mlp_dim)
-    per_seq += 2 * h * h + 2 * h * w.num_labels
-    per_step = 0.0
-    if cfg.position_scheme in ("deberta", "deberta_v2"):
-        rows = 2 * relative_span(cfg)
-        if cfg.position_scheme == "deberta":
-            rows = 2 * min(seq, relative_span(cfg))
-        terms = cfg.num_layers * len(cfg.pos_att_type)
-        per_seq += terms * 2 * seq * rows * h
-        per_step += terms * 2 * rows * h * h
-    elif cfg.position_scheme.startswith("tupe"):
-        per_step += flops.position_flops(cfg, seq).per_step
-    return float(b * per_seq + per_step)
+    head = flops.Flops(per_example=2 * h * h + 2 * h * w.num_labels)
+    return float((flops.text_encoder_forward_flops(cfg, seq, first_only=True) + head).total(b))
 
 
 def train_flops(w: Workload) -> float:

@@ -53,7 +53,8 @@ def _matmul_flops(jaxpr) -> float:
     {"position_scheme": "tupe_r", "pooling": "gap"},
     {"position_scheme": "deberta", "pooling": "gap"},
     {"resnet_layers": (1, 1), "patch_size": 1, "image_size": 32},
-], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid"])
+    {"position_scheme": "tupe_r"},
+], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid", "tupe_r_token"])
 def test_analytic_flops_equal_the_traced_matmuls(overrides):
     """A batch of 3 images: B · per_example + per_step equals the traced model's matmuls (the
     position tables of TUPE and DeBERTa are computed once per batch, not per image)."""
@@ -69,6 +70,29 @@ def test_analytic_flops_equal_the_traced_matmuls(overrides):
     assert (forward.per_step > 0) == (cfg.position_scheme != "vit")
     train = flops.vit_train_flops(cfg)
     assert (train.per_example, train.per_step) == (3 * forward.per_example, 3 * forward.per_step)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"position_scheme": "bert_abs"},
+    {"position_scheme": "tupe_r"},
+    {"position_scheme": "deberta_v2", "max_relative_positions": 16, "position_buckets": 4,
+     "share_att_key": True, "conv_kernel_size": 3},
+    {"position_scheme": "deberta", "max_relative_positions": 4},
+], ids=["bert_abs", "tupe_r", "deberta_v2_conv", "deberta_v1"])
+def test_classifier_flops_equal_the_traced_matmuls(overrides):
+    """[CLS] classifiers (the last layer computes token 0 alone): 3 sequences of 12 tokens."""
+    from posjax.models.config import TextConfig
+    from posjax.models.text import TextForSequenceClassification
+    cfg = TextConfig(**{"vocab_size": 32, "hidden_size": 32, "num_heads": 4, "num_layers": 2,
+                        "mlp_dim": 64, "max_position_embeddings": 16, **overrides})
+    model = TextForSequenceClassification(cfg, num_labels=3)
+    ids = jnp.ones((3, 12), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids, ids)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, ids, ids))(params)
+    head = flops.Flops(per_example=2.0 * 32 * 32 + 2.0 * 32 * 3)
+    forward = flops.text_encoder_forward_flops(cfg, 12, first_only=True) + head
+    assert forward.total(3) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
+    assert forward.total(3) < (flops.text_encoder_forward_flops(cfg, 12) + head).total(3)
 
 
 def test_position_flops_per_step_and_per_example_by_hand():
@@ -91,9 +115,14 @@ def test_position_flops_per_step_and_per_example_by_hand():
 
 
 def test_vit_b16_flops_match_the_published_count():
-    # ViT-B/16 at 224: 17.6 GMACs forward (e.g. timm / fvcore tables).
+    # ViT-B/16 at 224: 17.6 GMACs forward (e.g. timm / fvcore tables), every token of every
+    # layer; ours skips the last layer's 196 patch rows (the head reads [CLS] only).
     cfg = ViTConfig()
-    assert flops.vit_forward_flops(cfg).total(1) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
+    skipped = (flops.attention_layer_flops(197, 768, 3072)
+               - flops.first_token_layer_flops(197, 768, 3072))
+    ours = flops.vit_forward_flops(cfg).total(1)
+    assert (ours + skipped) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
+    assert ours / 2 / 1e9 == pytest.approx(16.35, abs=0.01)
 
 
 # ----------------------------------------------------------------------------- optimizer

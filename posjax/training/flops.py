@@ -5,7 +5,9 @@ gathers are ignored, as is usual for MFU. With T tokens, H hidden, M MLP width:
 
 * patch embedding: 2 · N · (p_h p_w C) · H, N = number of patches;
 * per layer: Q, K, V and output projections 2 · T · H · 4H; attention scores Q Kᵀ 2 · T² · H;
-  weights × V 2 · T² · H; MLP 2 · T · 2HM;
+  weights × V 2 · T² · H; MLP 2 · T · 2HM; a [CLS] classifier's last layer computes token 0
+  alone: K, V 2 · T · H · 2H, Q and output 2 · H · 2H, scores and A·V 2 · 2 · T · H, MLP
+  2 · 2HM (and DeBERTa's position terms 2 · T · H each);
 * position terms (``position_flops``):
   - ``vit``/``bert_abs``/``bert_rel``/``tupe_r``'s T5 part: additions and gathers only, 0;
   - TUPE, once per forward on the (T+1, H) table, whatever the batch: projections
@@ -59,8 +61,19 @@ def attention_layer_flops(tokens: int, hidden: int, mlp_dim: int) -> float:
     return 2.0 * t * h * 4 * h + 2.0 * 2 * t * t * h + 2.0 * t * 2 * h * mlp_dim
 
 
-def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> Flops:
-    """Matmul FLOPs of the position terms over the whole forward (all layers)."""
+def first_token_layer_flops(tokens: int, hidden: int, mlp_dim: int) -> float:
+    """The last block when only token 0 is read (``Encoder(first_only=True)``, [CLS]
+    classifiers): keys and values of every token, query and output projections, one row of
+    scores and A·V, and the MLP on one row."""
+    t, h = tokens, hidden
+    return 2.0 * t * h * 2 * h + 2.0 * h * 2 * h + 2.0 * 2 * t * h + 2.0 * 2 * h * mlp_dim
+
+
+def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
+                   first_only: bool = False) -> Flops:
+    """Matmul FLOPs of the position terms over the whole forward (all layers); with
+    ``first_only`` DeBERTa's last layer takes the T table rows of token 0's pairs per term
+    (2·T·H per example) instead of the product with all R rows."""
     h = cfg.hidden_size
     scheme = cfg.position_scheme
     if scheme in ("tupe_a", "tupe_r"):
@@ -71,16 +84,27 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> F
         if scheme == "deberta" and axes == 1:
             span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
         rows = axes * 2 * span
-        terms = cfg.num_layers * len(cfg.pos_att_type)
-        return Flops(per_example=terms * 2.0 * tokens * rows * h,
-                     per_step=terms * 2.0 * rows * h * h)
+        per_layer = len(cfg.pos_att_type)
+        terms = cfg.num_layers * per_layer
+        full_layers = cfg.num_layers - 1 if first_only else cfg.num_layers
+        per_example = full_layers * per_layer * 2.0 * tokens * rows * h
+        if first_only:
+            per_example += per_layer * 2.0 * tokens * h
+        return Flops(per_example=per_example, per_step=terms * 2.0 * rows * h * h)
     return Flops()
 
 
-def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> Flops:
-    """Layer stack plus position terms for ``tokens`` tokens (``axes``: 2 on an image grid)."""
-    layers = cfg.num_layers * attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim)
-    return Flops(per_example=layers) + position_flops(cfg, tokens, axes)
+def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
+                          first_only: bool = False) -> Flops:
+    """Layer stack plus position terms for ``tokens`` tokens (``axes``: 2 on an image grid;
+    ``first_only``: the last layer computes token 0 alone, as for [CLS] classifiers)."""
+    full = attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim)
+    if first_only:
+        layers = ((cfg.num_layers - 1) * full
+                  + first_token_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim))
+    else:
+        layers = cfg.num_layers * full
+    return Flops(per_example=layers) + position_flops(cfg, tokens, axes, first_only)
 
 
 def resnet_stem_flops(cfg: ViTConfig) -> float:
@@ -123,7 +147,8 @@ def vit_forward_flops(cfg: ViTConfig) -> Flops:
         per_image += 2.0 * h * cfg.representation_size
         features = cfg.representation_size
     per_image += 2.0 * features * cfg.num_classes
-    return Flops(per_example=per_image) + encoder_forward_flops(cfg, t, axes=2)
+    return Flops(per_example=per_image) + encoder_forward_flops(
+        cfg, t, axes=2, first_only=cfg.pooling == "token")
 
 
 def vit_train_flops(cfg: ViTConfig) -> Flops:
@@ -131,13 +156,17 @@ def vit_train_flops(cfg: ViTConfig) -> Flops:
     return vit_forward_flops(cfg).scaled(TRAIN_FACTOR)
 
 
-def text_encoder_forward_flops(cfg: TextConfig, length: int) -> Flops:
+def text_encoder_forward_flops(cfg: TextConfig, length: int, first_only: bool = False) -> Flops:
     """Forward FLOPs of ``TextEncoder`` on sequences of ``length`` tokens (no task head):
-    optional embedding projection 2·L·E·H, the v2 convolution 2·L·k·H²/groups, the stack."""
+    optional embedding projection 2·L·E·H, the v2 convolution 2·L·k·H²/groups, the stack
+    (``first_only``: as run for a [CLS] classifier)."""
     h = cfg.hidden_size
     per_sequence = 0.0
     if cfg.input_embedding_size != h:
         per_sequence += 2.0 * length * cfg.input_embedding_size * h
     if cfg.conv_kernel_size:
         per_sequence += 2.0 * length * cfg.conv_kernel_size * h * h / cfg.conv_groups
-    return Flops(per_example=per_sequence) + encoder_forward_flops(cfg, length)
+    # The model runs a lone layer 0 in full when the conv needs its output (Encoder).
+    first_only = first_only and not (cfg.conv_kernel_size and cfg.num_layers == 1)
+    return Flops(per_example=per_sequence) + encoder_forward_flops(cfg, length,
+                                                                   first_only=first_only)

@@ -282,5 +282,6 @@ class Glue(_TextTask):
         cfg = self.model_config
         h = cfg.hidden_size
         head = flops.Flops(per_example=2.0 * h * h + 2.0 * h * self.glue_task.num_labels)
-        forward = flops.text_encoder_forward_flops(cfg, int(self.config.data.max_seq_length))
+        forward = flops.text_encoder_forward_flops(cfg, int(self.config.data.max_seq_length),
+                                                   first_only=True)
         return (forward + head).scaled(flops.TRAIN_FACTOR)
