@@ -16,6 +16,7 @@ from posjax.layers.dropout import Dropout
 
 Array = jax.Array
 
+
 def gelu(x: Array) -> Array:
     """Exact GELU, x·Φ(x) = x·(1 + erf(x/√2))/2 (the form torch and the official code use).
 
