@@ -119,7 +119,7 @@ def test_vit_b16_flops_match_the_published_count():
     # layer; ours skips the last layer's 196 patch rows (the head reads [CLS] only).
     cfg = ViTConfig()
     skipped = (flops.attention_layer_flops(197, 768, 3072)
-               - flops.first_token_layer_flops(197, 768, 3072))
+               - flops.attention_layer_flops(197, 768, 3072, queries=1))
     ours = flops.vit_forward_flops(cfg).total(1)
     assert (ours + skipped) / 2 / 1e9 == pytest.approx(17.56, abs=0.05)
     assert ours / 2 / 1e9 == pytest.approx(16.35, abs=0.01)

@@ -96,29 +96,30 @@ class TextEncoder(nn.Module):
         self.embeddings = TextEmbeddings(self.cfg)
         self.encoder = Encoder(self.cfg, pre_ln=False)
 
-    def _check_length(self, input_ids: Array) -> None:
+    def _embed(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None,
+               train: bool) -> tuple[Array, Array | None, Array]:
+        """(embedded tokens, raw absolute positions or None, bool token mask)."""
         cfg = self.cfg
         if cfg.position_scheme in ("tupe_a", "tupe_r") and input_ids.shape[1] > cfg.max_position_embeddings:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
+        token_mask = attention_mask.astype(bool)
+        x, pos = self.embeddings(input_ids, token_mask, token_type_ids, train)
+        return x, pos, token_mask
 
     def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
                  *, train: bool = False, first_only: bool = False) -> Array:
         """Last hidden states (B, L, H); ``first_only``: the caller reads only [CLS], (B, 1, H)
         (``Encoder``: the last layer computes that row alone)."""
-        self._check_length(input_ids)
-        token_mask = attention_mask.astype(bool)
-        x, _ = self.embeddings(input_ids, token_mask, token_type_ids, train)
+        x, _, token_mask = self._embed(input_ids, attention_mask, token_type_ids, train)
         return self.encoder(x, token_mask, train=train, first_only=first_only)
 
     def hidden_states(self, input_ids: Array, attention_mask: Array,
                       token_type_ids: Array | None = None, *, train: bool = False
                       ) -> tuple[list[Array], Array | None, Array]:
         """(every layer's output, raw absolute positions or None, bool token mask)."""
-        self._check_length(input_ids)
-        token_mask = attention_mask.astype(bool)
-        x, pos = self.embeddings(input_ids, token_mask, token_type_ids, train)
+        x, pos, token_mask = self._embed(input_ids, attention_mask, token_type_ids, train)
         return self.encoder(x, token_mask, train=train, return_all=True), pos, token_mask
 
     def attend(self, x: Array) -> Array:

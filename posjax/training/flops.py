@@ -54,19 +54,16 @@ class Flops:
         return Flops(factor * self.per_example, factor * self.per_step)
 
 
-def attention_layer_flops(tokens: int, hidden: int, mlp_dim: int) -> float:
-    """One Transformer block on one example, without position terms: projections, scores,
-    A·V, MLP."""
+def attention_layer_flops(tokens: int, hidden: int, mlp_dim: int,
+                          queries: int | None = None) -> float:
+    """One Transformer block on one example, without position terms: K and V projections of
+    all ``tokens``; Q and output projections, scores, A·V and the MLP for ``queries`` rows
+    (default: every token; 1 for a [CLS] classifier's last layer, the masked slots for
+    DeBERTa's EMD)."""
     t, h = tokens, hidden
-    return 2.0 * t * h * 4 * h + 2.0 * 2 * t * t * h + 2.0 * t * 2 * h * mlp_dim
-
-
-def first_token_layer_flops(tokens: int, hidden: int, mlp_dim: int) -> float:
-    """The last block when only token 0 is read (``Encoder(first_only=True)``, [CLS]
-    classifiers): keys and values of every token, query and output projections, one row of
-    scores and A·V, and the MLP on one row."""
-    t, h = tokens, hidden
-    return 2.0 * t * h * 2 * h + 2.0 * h * 2 * h + 2.0 * 2 * t * h + 2.0 * 2 * h * mlp_dim
+    q = tokens if queries is None else queries
+    return (2.0 * t * h * 2 * h + 2.0 * q * h * 2 * h + 2.0 * 2 * q * t * h
+            + 2.0 * q * 2 * h * mlp_dim)
 
 
 def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
@@ -99,11 +96,9 @@ def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 
     """Layer stack plus position terms for ``tokens`` tokens (``axes``: 2 on an image grid;
     ``first_only``: the last layer computes token 0 alone, as for [CLS] classifiers)."""
     full = attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim)
+    layers = cfg.num_layers * full
     if first_only:
-        layers = ((cfg.num_layers - 1) * full
-                  + first_token_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim))
-    else:
-        layers = cfg.num_layers * full
+        layers += attention_layer_flops(tokens, cfg.hidden_size, cfg.mlp_dim, queries=1) - full
     return Flops(per_example=layers) + position_flops(cfg, tokens, axes, first_only)
 
 

@@ -76,8 +76,7 @@ def mlm_head_flops(cfg: TextConfig, predictions: int, length: int) -> flops.Flop
     per_sequence = 2.0 * m * h * e + 2.0 * m * e * cfg.vocab_size
     total = flops.Flops(per_example=per_sequence)
     if cfg.use_emd:
-        layer = (2.0 * m * h * 2 * h + 2.0 * t * h * 2 * h + 2.0 * 2 * m * t * h
-                 + 2.0 * m * 2 * h * cfg.mlp_dim)
+        layer = flops.attention_layer_flops(t, h, cfg.mlp_dim, queries=m)
         one_layer_positions = flops.position_flops(cfg, t).scaled(1 / cfg.num_layers)
         total += (flops.Flops(per_example=layer) + one_layer_positions).scaled(2)
     return total
