@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax.training.metrics import best_rate
+
 
 @dataclasses.dataclass
 class Table:
@@ -129,7 +131,7 @@ def measure_peak_flops(n: int, dtype: str = "float32", reps: int = 5) -> dict[st
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda x, y: x @ y)
     block(mm(a, a))
-    out = {"jax": flops / min(timed(lambda: block(mm(a, a))) for _ in range(reps))}
+    out = {"jax": best_rate(flops, lambda: block(mm(a, a)), reps)}
     try:
         import torch
     except ImportError:
@@ -137,7 +139,7 @@ def measure_peak_flops(n: int, dtype: str = "float32", reps: int = 5) -> dict[st
     if torch is not None and jax.default_backend() == "cpu":
         ta = torch.randn(n, n, dtype=getattr(torch, dtype))
         ta @ ta
-        out["torch"] = flops / min(timed(lambda: ta @ ta) for _ in range(reps))
+        out["torch"] = best_rate(flops, lambda: ta @ ta, reps)
     out["peak"] = max(out.values())
     return out
 
