@@ -33,6 +33,7 @@ if __package__ in (None, ""):   # `python bench/ab.py`
 from bench.common import (Table, load_average, median, median_ratio, parse_options,  # noqa: E402
                           ratio_range, timed)
 from bench.workloads import OursTrainer, throughput_workloads  # noqa: E402
+from posjax.training.host_memory import keep_freed_memory  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated name prefixes of the throughput workloads")
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
+    keep_freed_memory()   # both sides, before the first computation
     workloads = throughput_workloads("cpu")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     chosen = [w for w in workloads if any(w.name.startswith(n) for n in names)]

@@ -1,0 +1,41 @@
+"""Keep XLA:CPU's per-step scratch block mapped between steps (glibc hosts).
+
+XLA:CPU runs a compiled step in one scratch block that it allocates with ``posix_memalign``
+at the start of every run and frees at the end (BERT-A small, batch 8 × 128: 676 MB). glibc
+serves a block that large from a worker thread's arena with a fresh ``mmap`` and returns it
+with ``munmap``, so every step faults the whole block in again, one zeroed 4 KiB page at a
+time: 165,000 minor page faults per BERT-A step on the 2-core benchmark machine.
+
+:func:`keep_freed_memory` tells glibc to serve every thread from the main heap, never to
+``mmap`` and never to give the heap's top back to the kernel. The block is then reused from
+step to step with no faults (``BENCHMARKS.md``, "Host memory"). The price is that the process
+keeps its peak heap size, which a training or evaluation process reaches every step anyway.
+
+It has to run before the XLA backend starts its threads (a thread keeps the arena of its first
+allocation), i.e. before the first JAX computation; ``train.py``, ``eval.py`` and ``bench``
+call it first thing. It does nothing on a C library other than glibc.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import platform
+
+# mallopt(3) parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+_INT_MAX = 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+    """One malloc arena, no ``mmap`` allocations, no heap trimming; True if glibc applied all.
+
+    Idempotent. Returns False (and changes nothing) where the C library is not glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
+    return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
+               for param, value in settings)
