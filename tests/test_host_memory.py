@@ -3,6 +3,7 @@
 Each case runs in a fresh interpreter: the setting only reaches XLA's threads when it comes
 before the backend starts, and pytest's process has started it long ago.
 """
+import os
 import platform
 import subprocess
 import sys
@@ -47,3 +48,13 @@ def test_scratch_block_is_reused_not_faulted_in():
     assert default >= 0.9 * pages, (default, pages)
     # Kept: the freed block is reused; a few stray pages at most.
     assert kept < pages // 20, (kept, pages)
+
+
+@pytest.mark.parametrize("platforms, on_cpu", [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
+def test_platform_gate_reads_jax_platforms(platforms, on_cpu):
+    script = ("from posjax.training import host_memory as h; "
+              "print(h.jax_runs_on_cpu(), h.keep_freed_memory())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": platforms})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(on_cpu), str(on_cpu)]

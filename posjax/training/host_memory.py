@@ -13,13 +13,20 @@ keeps its peak heap size, which a training or evaluation process reaches every s
 
 It has to run before the XLA backend starts its threads (a thread keeps the arena of its first
 allocation), i.e. before the first JAX computation; ``train.py``, ``eval.py`` and ``bench``
-call it first thing. It does nothing on a C library other than glibc.
+call it first thing. It does nothing on a C library other than glibc, nor where JAX will run
+on an accelerator (``JAX_PLATFORMS`` names another platform first, or a GPU/TPU plugin is
+installed): the scratch block then lives on the device, and one arena would only slow
+host-side input pipelines that allocate from many threads.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
+import importlib.util
 import platform
+
+import jax
 
 # mallopt(3) parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -28,12 +35,24 @@ _M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1
 
 
+def jax_runs_on_cpu() -> bool:
+    """Whether JAX's default backend will be the CPU, decided without starting any backend."""
+    platforms = jax.config.jax_platforms
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    plugins = list(importlib.metadata.entry_points(group="jax_plugins"))
+    return not plugins and importlib.util.find_spec("libtpu") is None
+
+
 def keep_freed_memory() -> bool:
     """One malloc arena, no ``mmap`` allocations, no heap trimming; True if glibc applied all.
 
-    Idempotent. Returns False (and changes nothing) where the C library is not glibc.
+    Idempotent. Returns False (and changes nothing) where the C library is not glibc or JAX
+    will run on an accelerator.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if not jax_runs_on_cpu():
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
