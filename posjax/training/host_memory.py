@@ -32,7 +32,7 @@ import jax
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-_INT_MAX = 2**31 - 1
+_INT_MAX = 2**31 - 1   # mallopt takes an int: up to 2 GiB stays free at the heap's top
 
 
 def jax_runs_on_cpu() -> bool:
