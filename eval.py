@@ -11,7 +11,7 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
-from posjax.training import host_memory, loop
+from posjax.training import loop
 
 loop.define_config_flag(None, "Config file[:variant] (default: the workdir's).")
 flags.DEFINE_string("workdir", None, "Directory train.py wrote.", required=True)
@@ -19,7 +19,6 @@ flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 
 
 def main(argv):
-    host_memory.keep_freed_memory()   # before the first JAX computation
     if not flags.FLAGS["verbosity"].present:   # Orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:

@@ -8,7 +8,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posjax.training import host_memory, loop
+from posjax.training import loop
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
 
@@ -17,7 +17,6 @@ flags.DEFINE_string("workdir", "/tmp/posjax_digits", "Directory for checkpoints 
 
 
 def main(argv):
-    host_memory.keep_freed_memory()   # before the first JAX computation
     if not flags.FLAGS["verbosity"].present:   # Orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
