@@ -93,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated name prefixes of the throughput workloads")
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    keep_freed_memory()   # both sides, before the first computation
     workloads = throughput_workloads("cpu")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     chosen = [w for w in workloads if any(w.name.startswith(n) for n in names)]
@@ -137,4 +136,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()   # both sides, before the first computation
     sys.exit(main())

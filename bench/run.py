@@ -23,7 +23,7 @@ if __package__ in (None, ""):   # `python bench/run.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import parse_options  # noqa: E402
-from posjax.training.host_memory import keep_freed_memory  # noqa: E402
+from posjax.training import host_memory  # noqa: E402
 
 SUITES = ("throughput", "attention", "compile", "pipelines")
 # Share of the time budget per suite (unused time passes on to the next suite).
@@ -78,7 +78,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    kept = keep_freed_memory()   # both frameworks, before the first computation
     import jax
     if args.gpu and not args.smoke and jax.default_backend() != "gpu":
         print(f"--gpu needs a GPU, but JAX's backend is {jax.default_backend()!r}: install "
@@ -96,8 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "pipelines": pipelines}
     command = "python -m bench " + " ".join(argv)
     report = {"command": command, "environment": environment(), "suites": []}
-    report["environment"]["malloc"] = (
-        "one arena, no mmap, no trim (posjax.training.host_memory)" if kept else "default")
+    report["environment"]["malloc"] = ("one arena, no mmap, no trim (posjax.training.host_memory)"
+                                       if host_memory.kept() else "default")
     print(_header_markdown(report), flush=True)
     total = Budget(args.budget)
     context: dict = {}
@@ -150,4 +149,5 @@ def _write(path: pathlib.Path, report: dict) -> None:
 
 
 if __name__ == "__main__":
+    host_memory.keep_freed_memory()   # both frameworks, before the first computation
     sys.exit(main())

@@ -20,9 +20,11 @@ SCRATCH_MIB = 64
 SCRIPT = textwrap.dedent("""
     import resource, sys
     from posjax.training import host_memory
+    assert not host_memory.kept()
     if sys.argv[1] == "keep":
         assert host_memory.keep_freed_memory()
         assert host_memory.keep_freed_memory()   # idempotent
+        assert host_memory.kept()
     import jax, jax.numpy as jnp
     x = jax.random.normal(jax.random.key(0), (4096, 16))
     f = jax.jit(lambda x: jnp.max(jnp.tanh(x @ x.T), axis=0))

@@ -12,8 +12,8 @@ step to step with no faults (``BENCHMARKS.md``, "Host memory"). The price is tha
 keeps its peak heap size, which a training or evaluation process reaches every step anyway.
 
 It has to run before the XLA backend starts its threads (a thread keeps the arena of its first
-allocation), i.e. before the first JAX computation; ``python -m bench`` and ``bench.ab`` call
-it first thing. It is opt-in because one arena slows small steps whose input pipeline
+allocation), i.e. before the first JAX computation; the ``python -m bench`` and
+``python -m bench.ab`` entry points call it first thing. It is opt-in because one arena slows small steps whose input pipeline
 allocates from other threads: the default ``python train.py`` job takes 55 s instead of 42 s
 with it. ``train.py`` gets the same policy from glibc's environment variables::
 
@@ -39,6 +39,8 @@ _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1   # mallopt takes an int: up to 2 GiB stays free at the heap's top
 
+_kept = False
+
 
 def jax_runs_on_cpu() -> bool:
     """Whether JAX's default backend will be the CPU, decided without starting any backend."""
@@ -59,7 +61,14 @@ def keep_freed_memory() -> bool:
         return False
     if not jax_runs_on_cpu():
         return False
+    global _kept
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
-    return all(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
-               for param, value in settings)
+    _kept = all([libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1
+                 for param, value in settings])
+    return _kept
+
+
+def kept() -> bool:
+    """Whether :func:`keep_freed_memory` has applied its settings in this process."""
+    return _kept
