@@ -44,6 +44,17 @@ def relative_span(cfg: Config) -> int:
     return cfg.max_relative_positions
 
 
+def has_conv(cfg: Config) -> bool:
+    """DeBERTa-v2's convolution branch after layer 0."""
+    return isinstance(cfg, TextConfig) and bool(cfg.conv_kernel_size)
+
+
+def can_run_first_only(cfg: Config) -> bool:
+    """Whether the last layer may compute token 0 alone (``Encoder(first_only=True)``): not
+    when it is also layer 0 and DeBERTa-v2's convolution needs that layer's every row."""
+    return not (has_conv(cfg) and cfg.num_layers == 1)
+
+
 class EncoderLayer(nn.Module):
     """One block. Post-LN: x = LN(x + Attn(x)); x = LN(x + MLP(x)). Pre-LN: x += Attn(LN(x)); …
 
@@ -151,7 +162,7 @@ class Encoder(nn.Module):
             if cfg.norm_rel_ebd:
                 self.rel_norm = layer_norm(cfg.layer_norm_eps, name="rel_norm",
                                            dtype=jnp.float32)
-        if self._has_conv:
+        if has_conv(self.cfg):
             self.conv = ConvLayer(cfg)
         if cfg.scan_layers:
             # One parameter tree with a leading 'layers' axis: params['layers'][...] of shape
@@ -269,8 +280,8 @@ class Encoder(nn.Module):
                              "set first_only=False")
         terms = self.position_terms(x.shape[1])
         mask = self.attention_mask(token_mask)
-        first_only = first_only and not self.is_mutable_collection("intermediates") and not (
-            self._has_conv and self.cfg.num_layers == 1)   # the conv needs layer 0 in full
+        first_only = (first_only and can_run_first_only(self.cfg)
+                      and not self.is_mutable_collection("intermediates"))
         if self.cfg.scan_layers:
             return self._scanned_call(x, token_mask, mask, terms, train, return_all, first_only)
         outputs = []
@@ -279,15 +290,11 @@ class Encoder(nn.Module):
             if first_only and i == len(self.layers) - 1:
                 return layer(*self._first_query(h, mask, terms), train)
             out = layer(h, h, mask, terms, None, train)
-            if i == 0 and self._has_conv:
+            if i == 0 and has_conv(self.cfg):
                 out = self.conv(x, out, token_mask, train)
             outputs.append(out)
             h = out
         return outputs if return_all else h
-
-    @property
-    def _has_conv(self) -> bool:
-        return isinstance(self.cfg, TextConfig) and bool(self.cfg.conv_kernel_size)
 
     @staticmethod
     def _first_query(h: Array, mask: Array, terms: dict[str, Any]
@@ -328,7 +335,7 @@ class Encoder(nn.Module):
         params = self.layer_stack
         head: list[Array] = []
         h = x
-        if self._has_conv:
+        if has_conv(self.cfg):
             first = jax.tree.map(lambda p: p[0], params)
             out, sown = self._apply_layer(first, x, x, mask, terms, None, train,
                                           self._dropout_rng(train))

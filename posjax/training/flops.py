@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from posjax.models.config import TextConfig, ViTConfig
-from posjax.models.encoder import relative_span
+from posjax.models.encoder import can_run_first_only, relative_span
 
 TRAIN_FACTOR = 3.0
 
@@ -161,7 +161,5 @@ def text_encoder_forward_flops(cfg: TextConfig, length: int, first_only: bool = 
         per_sequence += 2.0 * length * cfg.input_embedding_size * h
     if cfg.conv_kernel_size:
         per_sequence += 2.0 * length * cfg.conv_kernel_size * h * h / cfg.conv_groups
-    # The model runs a lone layer 0 in full when the conv needs its output (Encoder).
-    first_only = first_only and not (cfg.conv_kernel_size and cfg.num_layers == 1)
-    return Flops(per_example=per_sequence) + encoder_forward_flops(cfg, length,
-                                                                   first_only=first_only)
+    return Flops(per_example=per_sequence) + encoder_forward_flops(
+        cfg, length, first_only=first_only and can_run_first_only(cfg))

@@ -13,9 +13,9 @@ keeps its peak heap size, which a training or evaluation process reaches every s
 
 It has to run before the XLA backend starts its threads (a thread keeps the arena of its first
 allocation), i.e. before the first JAX computation; the ``python -m bench`` and
-``python -m bench.ab`` entry points call it first thing. It is opt-in because one arena slows small steps whose input pipeline
-allocates from other threads: the default ``python train.py`` job takes 55 s instead of 42 s
-with it. ``train.py`` gets the same policy from glibc's environment variables::
+``python -m bench.ab`` entry points call it first thing. It is opt-in because one arena slows
+small steps whose input pipeline allocates from other threads: the default ``python train.py``
+job takes 55 s instead of 42 s with it. ``train.py`` gets the same policy from glibc's environment variables::
 
     MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 python train.py ...
 
