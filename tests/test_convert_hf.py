@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from posjax.convert import export_hf, load_pretrained  # noqa: E402
 from posjax.convert.mapping import check_tree, flatten  # noqa: E402
 from posjax.convert.pretrained import Pretrained, expected_params  # noqa: E402
+from posjax.layers.positions import resample_position_table  # noqa: E402
 from posjax.models.config import TextConfig  # noqa: E402
 from posjax.models.text import TextEncoder  # noqa: E402
 
@@ -280,6 +281,33 @@ def test_vit_parity_and_round_trip(case, tmp_path):
         re_out = reloaded(pixel_values=torch.tensor(images))
     key = "logits" if arch != "ViTModel" else "pooler_output"
     assert_close(getattr(re_out, key).numpy(), out, None, f"{case} exported {key}")
+
+
+@pytest.mark.parametrize("old,new", [((4, 4), (6, 6)), ((6, 6), (4, 4)), ((14, 14), (24, 24)),
+                                     ((3, 5), (7, 2)), ((1, 4), (3, 4))])
+def test_bicubic_resampling_equals_torch_interpolate(old, new):
+    """'bicubic' is torch's F.interpolate(bicubic, align_corners=False), up and down."""
+    table = np.random.default_rng(4).normal(size=(1, 1 + old[0] * old[1], 8)).astype(np.float32)
+    out = np.asarray(resample_position_table(table, old, new, method="bicubic"))
+    grid = torch.tensor(table[0, 1:].reshape(1, *old, 8)).permute(0, 3, 1, 2)
+    want = torch.nn.functional.interpolate(grid, size=new, mode="bicubic", align_corners=False)
+    np.testing.assert_array_equal(out[:, 0], table[:, 0])
+    np.testing.assert_allclose(out[0, 1:], want.permute(0, 2, 3, 1).reshape(-1, 8).numpy(),
+                               atol=1e-5, rtol=0)
+
+
+def test_vit_at_new_resolution_matches_interpolate_pos_encoding(tmp_path):
+    """load_pretrained(HF folder, image_size=48) of a 32 px model gives HF's logits at 48 px
+    with interpolate_pos_encoding=True (its default resample is HF's bicubic)."""
+    model = hf_vit("ViTForImageClassification", dict(image_size=32, patch_size=8, num_labels=3),
+                   seed=6)
+    model.save_pretrained(tmp_path / "hf")
+    images = np.random.default_rng(1).normal(size=(2, 3, 48, 48)).astype(np.float32)
+    with torch.no_grad():
+        want = model(pixel_values=torch.tensor(images), interpolate_pos_encoding=True).logits
+    pre = load_pretrained(tmp_path / "hf", image_size=48)
+    out, _ = ours_vit(pre, images.transpose(0, 2, 3, 1))
+    assert_close(out, want.numpy(), None, "logits at 48 px")
 
 
 def random_params(tree, seed: int):

@@ -101,8 +101,10 @@ def resample_position_table(table: jax.Array | np.ndarray, old_grid: tuple[int, 
 
     The first ``num_prefix_tokens`` rows ([CLS]) are kept; the grid rows are reshaped to
     (gh, gw, H) and resized. ``bilinear``: corner-aligned linear interpolation, identical to
-    ``scipy.ndimage.zoom(order=1)`` used by the official vit_jax; ``bicubic``: half-pixel cubic
-    (``jax.image.resize``), the HF/timm convention.
+    ``scipy.ndimage.zoom(order=1)`` used by the official vit_jax; ``bicubic``: half-pixel Keys
+    cubic with a = -0.75, edge-clamped, no antialiasing, i.e. torch's
+    ``F.interpolate(mode="bicubic", align_corners=False)`` used by HF ``interpolate_pos_encoding``
+    and timm (``jax.image.resize`` differs: a = -0.5 and antialiased when shrinking).
     """
     table = jnp.asarray(table)
     squeeze = table.ndim == 2
@@ -119,7 +121,8 @@ def resample_position_table(table: jax.Array | np.ndarray, old_grid: tuple[int, 
         g = _zoom_linear(g, 0, nh)
         g = _zoom_linear(g, 1, nw)
     elif method == "bicubic":
-        g = jax.image.resize(g, (nh, nw, g.shape[-1]), method="bicubic")
+        g = _zoom_cubic(g, 0, nh)
+        g = _zoom_cubic(g, 1, nw)
     else:
         raise ValueError(f"method={method!r} is not valid: choose 'bilinear' or 'bicubic'")
     out = jnp.concatenate([prefix, g.reshape(1, nh * nw, -1).astype(table.dtype)], axis=1)
@@ -140,3 +143,28 @@ def _zoom_linear(x: jax.Array, axis: int, new: int) -> jax.Array:
     shape[axis] = new
     w = jnp.asarray(w).reshape(shape)
     return jnp.take(x, lo, axis=axis) * (1 - w) + jnp.take(x, hi, axis=axis) * w
+
+
+def _keys_cubic(t: np.ndarray, a: float = -0.75) -> np.ndarray:
+    """Keys' cubic convolution kernel at distances t (|t| < 2; a = -0.75 as in torch)."""
+    t = np.abs(t)
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.where(t <= 1, near, far)
+
+
+def _zoom_cubic(x: jax.Array, axis: int, new: int) -> jax.Array:
+    """Half-pixel bicubic resize along ``axis``: source s = (o + 0.5)·old/new − 0.5, taps
+    floor(s) − 1 … floor(s) + 2 clamped to the edge, Keys weights (a = -0.75)."""
+    old = x.shape[axis]
+    src = (np.arange(new) + 0.5) * old / new - 0.5
+    base = np.floor(src).astype(np.int64)
+    frac = src - base
+    shape = [1] * x.ndim
+    shape[axis] = new
+    out = 0.0
+    for tap in range(-1, 3):
+        index = np.clip(base + tap, 0, old - 1)
+        w = jnp.asarray(_keys_cubic(frac - tap).astype(np.float32)).reshape(shape)
+        out = out + jnp.take(x, index, axis=axis) * w
+    return out
