@@ -11,6 +11,7 @@ import scipy.ndimage
 
 from posjax.convert import load_pretrained
 from posjax.convert.mapping import flatten
+from posjax.convert.pretrained import Pretrained, resize_vit
 from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
 
@@ -123,3 +124,22 @@ def test_npz_not_a_vit(tmp_path):
     np.savez(tmp_path / "other.npz", weights=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match=r"other\.npz.*embedding/kernel"):
         load_pretrained(tmp_path / "other.npz")
+
+
+@pytest.mark.parametrize("pooling", ["token", "gap"])
+def test_tupe_vit_resized_to_new_resolution(pooling):
+    """TUPE's absolute table (reset row, [CLS] if any, then the grid) follows the new grid like
+    pos_embedding does: rows before the grid kept, grid rows zoomed, and the model runs."""
+    cfg = ViTConfig(**{**SMALL, "position_scheme": "tupe_r"}, image_size=32, patch_size=8,
+                    num_classes=5, pooling=pooling)
+    pre = Pretrained(cfg, random_params(cfg, seed=2), "vit", "classification")
+    big = resize_vit(pre, 56)
+    prefix = 2 if pooling == "token" else 1
+    old = pre.params["encoder"]["tupe_bias"]["position_embeddings"]
+    new = big.params["encoder"]["tupe_bias"]["position_embeddings"]
+    assert new.shape == (prefix + 49, old.shape[1])
+    np.testing.assert_array_equal(new[:prefix], old[:prefix])
+    want = scipy.ndimage.zoom(old[prefix:].reshape(4, 4, -1), (7 / 4, 7 / 4, 1), order=1)
+    np.testing.assert_allclose(new[prefix:].reshape(7, 7, -1), want, atol=1e-6)
+    out = ViT(big.config).apply({"params": big.params}, np.zeros((1, 56, 56, 3), np.float32))
+    assert out.shape == (1, 5) and np.all(np.isfinite(np.asarray(out)))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax.convert.mapping import check_tree
 from posjax.layers.positions import resample_position_table
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.layout import to_layout
@@ -95,17 +96,29 @@ class Pretrained:
 
 def resize_vit(pre: Pretrained, image_size: int | tuple[int, int],
                method: str = "bilinear") -> Pretrained:
-    """The same ViT at another resolution: the learned position table's grid rows are resampled
-    to the new patch grid (``resample_position_table``; [CLS] row kept)."""
+    """The same ViT at another resolution: the grid rows of each learned absolute table are
+    resampled to the new patch grid (``resample_position_table``), the rows before them kept:
+    ``pos_embedding`` (1, [CLS] + grid, H), and TUPE's ``encoder/tupe_bias/position_embeddings``
+    (its reset row, [CLS] and the grid, H). Relative tables do not depend on the grid size."""
     if pre.kind != "vit":
         raise ValueError(f"image_size applies to ViT checkpoints only, this one is {pre.kind!r}")
     cfg = dataclasses.replace(pre.config, image_size=image_size)
     if cfg.image_size == pre.config.image_size:
         return pre
-    table = pre.params.get("pos_embedding")
-    if table is None:   # relative schemes carry no absolute table
-        return Pretrained(cfg, pre.params, pre.kind, pre.task)
-    prefix = 1 if cfg.pooling == "token" else 0
-    new = np.asarray(resample_position_table(table, pre.config.grid_size, cfg.grid_size,
-                                             prefix, method), np.float32)
-    return Pretrained(cfg, {**pre.params, "pos_embedding": new}, pre.kind, pre.task)
+    has_cls = cfg.pooling == "token"
+    params = dict(pre.params)
+
+    def resample(table: Any, num_prefix_rows: int) -> np.ndarray:
+        return np.asarray(resample_position_table(table, pre.config.grid_size, cfg.grid_size,
+                                                  num_prefix_rows, method), np.float32)
+
+    if "pos_embedding" in params:
+        params["pos_embedding"] = resample(params["pos_embedding"], int(has_cls))
+    tupe = params.get("encoder", {}).get("tupe_bias")
+    if tupe is not None:
+        tupe = {**tupe, "position_embeddings": resample(tupe["position_embeddings"],
+                                                        1 + int(has_cls))}
+        params["encoder"] = {**params["encoder"], "tupe_bias": tupe}
+    check_tree(params, expected_params(pre.kind, pre.task, cfg, pre.num_labels),
+               f"resize to image_size={image_size}")
+    return Pretrained(cfg, params, pre.kind, pre.task)
