@@ -57,6 +57,12 @@ BAD_CONFIGS = {
                        ["gather='scatter'", "take", "onehot", "shift"]),
     "conv layer outside v2": (TextConfig, dict(position_scheme="deberta", conv_kernel_size=3),
                               ["conv_kernel_size=3", "deberta_v2"]),
+    "shared attention key in v1": (TextConfig, dict(position_scheme="deberta",
+                                                   share_att_key=True),
+                                   ["share_att_key=True", "deberta_v2"]),
+    "relative-table LayerNorm in v1 (ViT)": (
+        ViTConfig, dict(position_scheme="deberta", pooling="gap", norm_rel_ebd=True),
+        ["norm_rel_ebd=True", "deberta_v2"]),
     "even conv kernel": (TextConfig, dict(position_scheme="deberta_v2", conv_kernel_size=4),
                          ["conv_kernel_size=4", "odd"]),
     "DeBERTa on images with [CLS] pooling": (
@@ -64,6 +70,15 @@ BAD_CONFIGS = {
         ["pooling='token'", "gap", "map"]),
     "dropout of one": (TextConfig, dict(dropout_rate=1.0), ["dropout_rate=1.0", "[0, 1)"]),
 }
+
+
+@pytest.mark.parametrize("cls", [TextConfig, ViTConfig])
+def test_pos_att_type_string_is_split_on_bars(cls):
+    """'c2p|p2c' (HF's spelling, and a command-line override) means both terms, for both configs."""
+    extra = dict(image_size=32, patch_size=16, pooling="gap") if cls is ViTConfig else {}
+    base = {**(TINY_VIT if cls is ViTConfig else TINY), **extra, "position_scheme": "deberta"}
+    assert cls(**base, pos_att_type="c2p|p2c").pos_att_type == ("c2p", "p2c")
+    assert cls(**base, pos_att_type="p2c").pos_att_type == ("p2c",)
 
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))

@@ -20,6 +20,13 @@ def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{field}={value!r} is not valid: {allowed}")
 
 
+def _att_types(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """pos_att_type as a tuple; a string is split on '|' or ',' ("c2p|p2c", as HF writes it)."""
+    if isinstance(value, str):
+        return tuple(t.strip() for t in value.replace(",", "|").split("|") if t.strip())
+    return tuple(value)
+
+
 def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None:
     _check(c.position_scheme in schemes, "position_scheme", c.position_scheme,
            f"choose one of {', '.join(schemes)}")
@@ -42,6 +49,10 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
                "pos_att_type", c.pos_att_type, "a non-empty subset of ('c2p', 'p2c')")
         _check(c.max_relative_positions > 0, "max_relative_positions",
                c.max_relative_positions, "must be > 0 for DeBERTa")
+    if c.position_scheme == "deberta":
+        for f in ("share_att_key", "norm_rel_ebd"):
+            _check(not getattr(c, f), f, getattr(c, f),
+                   "DeBERTa v1 has no such option: use position_scheme='deberta_v2' or False")
     if c.position_scheme == "deberta_v2":
         _check(c.position_buckets >= 0, "position_buckets", c.position_buckets,
                "must be >= 0 (0 disables log bucketing)")
@@ -102,11 +113,7 @@ class TextConfig:
     scan_layers: bool = False            # one lax.scan over stacked layer params (fast compile)
 
     def __post_init__(self) -> None:
-        if isinstance(self.pos_att_type, str):
-            object.__setattr__(self, "pos_att_type", tuple(
-                t.strip() for t in self.pos_att_type.replace(",", "|").split("|") if t.strip()))
-        else:
-            object.__setattr__(self, "pos_att_type", tuple(self.pos_att_type))
+        object.__setattr__(self, "pos_att_type", _att_types(self.pos_att_type))
         _check_common(self, TEXT_SCHEMES)
         _check(self.vocab_size > 0, "vocab_size", self.vocab_size, "must be > 0")
         _check(self.type_vocab_size >= 0, "type_vocab_size", self.type_vocab_size, "must be >= 0")
@@ -198,7 +205,7 @@ class ViTConfig:
             object.__setattr__(self, f, v)
             _check(len(v) == 2 and all(isinstance(s, int) and s > 0 for s in v), f, v,
                    "must be a positive int or a pair (height, width)")
-        object.__setattr__(self, "pos_att_type", tuple(self.pos_att_type))
+        object.__setattr__(self, "pos_att_type", _att_types(self.pos_att_type))
         object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
         if self.max_relative_positions == 0:
             object.__setattr__(self, "max_relative_positions", max(self.grid_size))
