@@ -108,23 +108,30 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     params_dir, cfg_file = pretrained_location(path)
     meta = ocp.StandardCheckpointer().metadata(params_dir)
     tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
+    tree = dict(getattr(tree, "tree", tree))
+    if "params" not in tree:
+        raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
+                         f"(top-level keys {sorted(tree)})")
     target = _flatten(target_params)
     shardings = _flatten(param_shardings)
     any_sharding = next(iter(shardings.values()))
     replicated = NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
 
     def abstract(path, m):
-        key = jax.tree_util.keystr(path[1:])   # drop the leading 'params'
+        key = jax.tree_util.keystr(path)
         shape = tuple(m.shape)
         same = key in target and tuple(target[key].shape) == shape
         return jax.ShapeDtypeStruct(shape, m.dtype,
                                     sharding=shardings[key] if same else replicated)
 
-    restore_target = jax.tree_util.tree_map_with_path(
-        abstract, dict(tree), is_leaf=lambda x: hasattr(x, "shape"))
-    with ocp.StandardCheckpointer() as ckptr:
-        loaded = ckptr.restore(params_dir, restore_target)
+    # Only the params: a train.py checkpoint also holds the optimizer moments (2x the params),
+    # which would otherwise be read and replicated on every device for nothing.
+    item = {"params": jax.tree_util.tree_map_with_path(
+        abstract, dict(tree["params"]), is_leaf=lambda x: hasattr(x, "shape"))}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        loaded = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True))
     # Either layer layout loads into either (scan_layers on one side only): restack.
     target_scanned = any("['layers']" in key for key in target)
     loaded = {"params": to_layout(loaded["params"], target_scanned)}
@@ -152,7 +159,9 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     Same shape: taken as is. ViT ``pos_embedding`` with another token count: resampled to the
     new grid (bilinear, vit_jax convention; the [CLS] row, present when the model has a ``cls``
     parameter, is kept; the old grid comes from the pretrained model config, else square).
-    Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init.
+    Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init,
+    and so does a ``head`` that read ``pre_logits`` features in one model and not in the other
+    (a ViT fine-tuned without the pre-training representation layer gets a fresh head).
     Returns (params, log lines).
     """
     flat_shardings = _flatten(shardings)
@@ -161,12 +170,21 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     notes = []
     used = set()
 
+    def has_pre_logits(keys: Any) -> bool:
+        return any(k.startswith("['pre_logits']") for k in keys)
+
+    head_reads_other_features = has_pre_logits(loaded) != has_pre_logits(flat_shardings)
+
     def pick(path, fresh):
         key = jax.tree_util.keystr(path)
         if key not in loaded:
             notes.append(f"{key}: not in the checkpoint, keeps its init {tuple(fresh.shape)}")
             return fresh
         used.add(key)
+        if head_reads_other_features and key.startswith("['head']"):
+            notes.append(f"{key}: read pre_logits features in the checkpoint, this model has "
+                         "no pre_logits (or the reverse); keeps its init")
+            return fresh
         old = loaded[key]
         if tuple(old.shape) == tuple(fresh.shape):
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
