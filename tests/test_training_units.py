@@ -173,10 +173,15 @@ def test_sgd_momentum_and_clipping():
     ("name", "lamb", "optimizer.name='lamb'"),
     ("warmup_steps", 10, "optimizer.warmup_steps=10"),
     ("learning_rate", 0.0, "optimizer.learning_rate=0.0"),
+    ("b1", 1.0, r"optimizer.b1=1.0 is not valid: must lie in \[0, 1\)"),
+    ("b2", 1.5, r"optimizer.b2=1.5 is not valid: must lie in \[0, 1\)"),
+    ("eps", 0.0, "optimizer.eps=0.0 is not valid: must be > 0"),
+    ("nesterov", True, "optimizer.nesterov=True is not valid: needs momentum > 0"),
 ])
 def test_bad_optimizer_config(field, value, match):
+    name = "sgd" if field == "nesterov" else "adamw"
     with pytest.raises(ValueError, match=match):
-        optim.validate(_opt(**{field: value}), 10)
+        optim.validate(_opt(**{"name": name, "momentum": 0.0, field: value}), 10)
 
 
 # ----------------------------------------------------------------------------- mesh & batch

@@ -143,7 +143,7 @@ def vit_forward_flops(cfg: ViTConfig) -> Flops:
         features = cfg.representation_size
     per_image += 2.0 * features * cfg.num_classes
     return Flops(per_example=per_image) + encoder_forward_flops(
-        cfg, t, axes=2, first_only=cfg.pooling == "token")
+        cfg, t, axes=2, first_only=cfg.pooling == "token" and can_run_first_only(cfg))
 
 
 def vit_train_flops(cfg: ViTConfig) -> Flops:

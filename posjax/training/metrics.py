@@ -123,7 +123,12 @@ class MetricAccumulator:
 
 
 class MetricWriter:
-    """metrics.jsonl + TensorBoard on process 0 (a no-op elsewhere)."""
+    """metrics.jsonl + TensorBoard on process 0 (a no-op elsewhere).
+
+    Resuming at ``start_step``: records of later steps are dropped from metrics.jsonl
+    (``drop_after``) and TensorBoard is told to purge its events of steps > start_step, so the
+    steps about to be recomputed appear once and those up to the checkpoint stay.
+    """
 
     def __init__(self, workdir: str | pathlib.Path, enabled: bool, start_step: int):
         self.enabled = enabled
@@ -133,8 +138,11 @@ class MetricWriter:
             return
         drop_after(self.path, start_step)
         from tensorboardX import SummaryWriter
+        # The suffix keeps a resumed writer from reusing (truncating) its predecessor's file
+        # when both start within the same second (event files are named by time and host).
         self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
-                                 purge_step=start_step or None)
+                                 purge_step=start_step + 1 if start_step else None,
+                                 filename_suffix=f".from_step_{start_step}")
 
     def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
         if not self.enabled:

@@ -42,8 +42,16 @@ def validate(opt: Mapping[str, Any], num_steps: int) -> None:
         raise bad("weight_decay", "must be >= 0")
     if opt["grad_clip_norm"] < 0:
         raise bad("grad_clip_norm", "must be >= 0 (0 disables clipping)")
+    if opt["name"] == "adamw":
+        for beta in ("b1", "b2"):
+            if not 0 <= opt[beta] < 1:
+                raise bad(beta, "must lie in [0, 1)")
+        if not opt["eps"] > 0:
+            raise bad("eps", "must be > 0")
     if opt["name"] == "sgd" and not 0 <= opt["momentum"] < 1:
         raise bad("momentum", "must lie in [0, 1)")
+    if opt["name"] == "sgd" and opt["nesterov"] and not opt["momentum"] > 0:
+        raise bad("nesterov", "needs momentum > 0 (set optimizer.momentum, e.g. 0.9)")
 
 
 def learning_rate_schedule(opt: Mapping[str, Any], num_steps: int) -> optax.Schedule:
