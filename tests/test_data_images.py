@@ -326,6 +326,8 @@ def test_iterator_checkpoint_restores_the_stream(tmp_path):
     ("digits", {"train_split": "train[:x]"}, "data.train_split='train\\[:x\\]'"),
     ("digits", {"test_split": "valid"}, r"data.test_split='valid': no such split.*'test'\]"),
     ("tfds", {}, "data.tfds_name='': name the TFDS catalog dataset"),
+    ("digits", {"mixup_alfa": 0.2}, r"unknown key\(s\) data.mixup_alfa: the data config has "
+                                    r"no such field; the valid keys are .*mixup_alpha"),
 ])
 def test_bad_config_is_one_clear_error(name, changes, message):
     cfg = default_data_config(name)

@@ -209,3 +209,25 @@ def test_tfds_glue_source(shared_data):
             assert p.labelled == (split not in ("test", "diagnostic"))
             if task == "mnli" and p.labelled:
                 assert set(label.tolist()) <= {0, 1, 2}
+
+
+def test_config_checks_keys_and_every_split_it_will_read(glue_dir):
+    """Up front, before a run trains: a misspelt key, and a split whose TSV file is missing
+    (the fixture's SST-2 has train.tsv only) or that TFDS cannot open."""
+    tokenizer = glue_dir / "vocab.txt"
+    tokenizer.write_text("[PAD]\n")
+    cfg = cfg_for("sst2", glue_dir, tokenizer, test_split="train[:1]")
+    glue.validate_glue_data_config(cfg)
+    cfg.max_seq_lenght = 64
+    with pytest.raises(ValueError, match=r"unknown key\(s\) data.max_seq_lenght.*valid keys "
+                                         r"are .*max_seq_length"):
+        glue.validate_glue_data_config(cfg)
+    cfg = cfg_for("sst2", glue_dir, tokenizer)
+    dev = glue_dir / "SST-2" / "dev.tsv"
+    with pytest.raises(ValueError, match=f"data.test_split='validation': GLUE file "
+                                         f"'{dev}' does not exist"):
+        glue.validate_glue_data_config(cfg)
+    cfg = cfg_for("sst2", "", tokenizer, data_dir=str(glue_dir / "no_tfds_here"))
+    with pytest.raises(ValueError, match=r"(?s)data.train_split='train': TFDS 'glue/sst2' "
+                                         r"split 'train' could not be opened"):
+        glue.validate_glue_data_config(cfg)

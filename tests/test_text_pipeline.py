@@ -224,6 +224,18 @@ def test_bad_config(wikitext_cfg, tmp_path):
         source[0]
 
 
+def test_config_checks_keys_and_that_tfds_opens_both_splits(wikitext_cfg, tmp_path):
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.mask_rat = 0.2
+    with pytest.raises(ValueError, match=r"unknown key\(s\) data.mask_rat: .*valid keys "
+                                         r"are .*mask_rate"):
+        text.validate_mlm_data_config(cfg)
+    cfg = wikitext_cfg.copy_and_resolve_references()
+    cfg.update(source="tfds", tfds_name="wikipedia/20230601.en", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"(?s)data.train_split=.*could not be opened"):
+        text.validate_mlm_data_config(cfg)
+
+
 def test_tfds_corpus(wikitext_cfg):
     """A TFDS text dataset by name (mocked wikipedia, array_record via tfds.data_source)."""
     tfds = pytest.importorskip("tensorflow_datasets")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grain
 import numpy as np
@@ -23,6 +23,22 @@ def check_pipeline_call(split: str, batch_size: int, seed: int, shard_index: int
             and isinstance(shard_index, int) and 0 <= shard_index < shard_count):
         raise ValueError(f"shard_index={shard_index!r}, shard_count={shard_count!r}: need "
                          "0 <= shard_index < shard_count (use jax.process_index/_count)")
+
+
+def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from: str
+                 ) -> list[str]:
+    """Keys of a data config that ``defaults`` (every valid key) lacks or has but ``cfg`` does
+    not, as 'what: fix' lines (empty when the keys match): a misspelt key would otherwise be
+    ignored silently and its default used."""
+    out = []
+    missing = sorted(set(defaults) - set(cfg))
+    if missing:
+        out.append(f"keys {missing} are missing: start from {start_from}")
+    unknown = sorted(set(cfg) - set(defaults))
+    if unknown:
+        out.append(f"unknown key(s) {', '.join(f'data.{k}' for k in unknown)}: the data config "
+                   f"has no such field; the valid keys are {', '.join(sorted(defaults))}")
+    return out
 
 
 def ceil_div(a: int, b: int) -> int:

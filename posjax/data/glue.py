@@ -1,7 +1,8 @@
 """GLUE: the nine tasks from TFDS ``glue/*`` or the GLUE download layout, their official metrics,
 and prediction files in the GLUE submission format.
 
-Configuration (``default_glue_data_config(task)``; ``validate_glue_data_config`` checks it):
+Configuration (``default_glue_data_config(task)``; ``validate_glue_data_config`` checks it, and
+that both splits can be read, before anything is compiled or written):
 
 ================ ============================================================================
 key              meaning
@@ -56,7 +57,7 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, eval_batches_per_shard,
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
                                  pad_to_full_batches, stack_examples)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
@@ -245,8 +246,9 @@ def _check_bad_rows(report: ReadReport, labelled: bool) -> None:
         raise ValueError(f"{report.summary()}: {why}; fix the file or check data.task")
 
 
-def read_tfds(task: GlueTask, split: str, data_dir: str) -> tuple[list[Example], ReadReport]:
-    """The same examples from TFDS ``glue/<task>`` (``diagnostic`` = ``glue/ax`` test)."""
+def open_tfds(task: GlueTask, split: str, data_dir: str) -> tuple[Any, str, str]:
+    """(random-access source, TFDS name, TFDS split) of a split of TFDS ``glue/<task>``
+    (``diagnostic`` = ``glue/ax`` test); opening reads no records."""
     import tensorflow_datasets as tfds
 
     try:  # registers the GLUE builder (needed for mock data; prepared data is read without it)
@@ -264,6 +266,13 @@ def read_tfds(task: GlueTask, split: str, data_dir: str) -> tuple[list[Example],
             f"TFDS {name!r} split {tfds_split!r} could not be opened from data_dir="
             f"{data_dir or '~/tensorflow_datasets'!r} ({type(e).__name__}: {e}); prepare it as "
             f"array_record or set data.glue_dir to a GLUE download folder") from e
+    return source, name, tfds_split
+
+
+def read_tfds(task: GlueTask, split: str, data_dir: str) -> tuple[list[Example], ReadReport]:
+    """The same examples from TFDS ``glue/<task>`` (``diagnostic`` = ``glue/ax`` test)."""
+    source, name, tfds_split = open_tfds(task, split, data_dir)
+    base, _, _ = sources.parse_split(split)
     labelled = not is_test_split(split)
     report = ReadReport(f"tfds:{name}[{tfds_split}]")
     examples = []
@@ -473,11 +482,12 @@ def default_glue_data_config(task: str = "sst2") -> ml_collections.ConfigDict:
 
 
 def validate_glue_data_config(cfg: ml_collections.ConfigDict) -> None:
-    """Raises one ValueError listing every problem (field, value, fix)."""
-    missing = sorted(set(default_glue_data_config()) - set(cfg))
-    if missing:
-        raise ValueError(f"bad GLUE data config: keys {missing} are missing: start from "
-                         "posjax.data.glue.default_glue_data_config(task)")
+    """Raises one ValueError listing every problem (field, value, fix), including a split
+    whose TSV file is missing or that TFDS cannot open."""
+    keys = key_problems(cfg, default_glue_data_config(),
+                        "posjax.data.glue.default_glue_data_config(task)")
+    if keys:
+        raise ValueError("bad GLUE data config:\n  " + "\n  ".join(keys))
     out = []
     if cfg.task not in TASKS:
         out.append(f"data.task={cfg.task!r}: choose one of {', '.join(TASKS)}")
@@ -500,8 +510,31 @@ def validate_glue_data_config(cfg: ml_collections.ConfigDict) -> None:
                        f"{', '.join(TASKS[cfg.task].files())}")
     if not out and is_test_split(cfg.train_split):
         out.append(f"data.train_split={cfg.train_split!r}: a test split has no labels")
+    if not out:
+        out = split_problems(cfg)
     if out:
         raise ValueError("bad GLUE data config:\n  " + "\n  ".join(out))
+
+
+def split_problems(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Each of the two splits must be readable: its TSV file exists under ``glue_dir``, or TFDS
+    opens it (only the first TFDS failure is reported: it is usually the dataset's)."""
+    task = get_task(cfg.task)
+    out = []
+    for field in ("train_split", "test_split"):
+        base, _, _ = sources.parse_split(cfg[field])
+        if cfg.glue_dir:
+            path = pathlib.Path(cfg.glue_dir).expanduser() / task.files()[base]
+            if not path.is_file():
+                out.append(f"data.{field}={cfg[field]!r}: GLUE file {str(path)!r} does not "
+                           f"exist; put it there or choose another split of {task.name}")
+            continue
+        try:
+            open_tfds(task, cfg[field], cfg.data_dir)
+        except ValueError as e:
+            out.append(f"data.{field}={cfg[field]!r}: {e}")
+            break
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,9 @@ mixup_alpha          train only: 0 = off; else one lam ~ Beta(a, a) per global b
                      several processes the per-process batch must be even (pairs stay local)
 mean, std            per-channel (or one shared) normalisation of pixels scaled to [0, 1]:
                      x = (pixel / 255 - mean) / std
-worker_count         Grain worker processes (0 = read in the main process); results do not
-                     depend on it
+worker_count         Grain worker processes (0 = read in the main process); batches do not
+                     depend on it, the saved iterator state does: a run resumes with the
+                     worker_count it started with
 ==================== ========================================================================
 
 Batches are dicts ``{'image': float32 (b, S, S, C), 'label': int32 (b,), 'mask': bool (b,)}``.
@@ -73,7 +74,7 @@ import numpy as np
 from absl import flags
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, eval_batches_per_shard,
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
                                  pad_to_full_batches)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
@@ -113,10 +114,10 @@ def default_data_config(name: str = "digits") -> ml_collections.ConfigDict:
 
 def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
     """Every problem with ``cfg`` as 'field=value: fix' lines (empty when valid)."""
-    missing = sorted(set(default_data_config("digits")) - set(cfg))
-    if missing:
-        return [f"keys {missing} are missing: start from posjax.data.default_data_config(name)"]
-    out = []
+    out = key_problems(cfg, default_data_config("digits"),
+                       "posjax.data.default_data_config(name)")
+    if out:
+        return out
 
     def check(ok: bool, field: str, fix: str) -> None:
         if not ok:

@@ -1,7 +1,8 @@
 """Masked-LM input: corpus sources, document-respecting packing, dynamic BERT masking (Grain).
 
 Configuration (``default_mlm_data_config()`` returns every key; ``validate_mlm_data_config``
-checks them, and that files exist, before anything is opened, compiled or written):
+checks them, that the files of both splits exist or that TFDS opens both splits, before
+anything is compiled or written):
 
 ================= ===========================================================================
 key               meaning
@@ -83,7 +84,8 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import check_pipeline_call, eval_batches_per_shard, stack_examples
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
+                                 stack_examples)
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
 
 Example = dict[str, Any]
@@ -125,11 +127,10 @@ def max_predictions(cfg: ml_collections.ConfigDict) -> int:
 
 
 def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
-    missing = sorted(set(default_mlm_data_config()) - set(cfg))
-    if missing:
-        return [f"keys {missing} are missing: start from "
-                "posjax.data.text.default_mlm_data_config()"]
-    out: list[str] = []
+    out = key_problems(cfg, default_mlm_data_config(),
+                       "posjax.data.text.default_mlm_data_config()")
+    if out:
+        return out
 
     def check(ok: bool, field: str, fix: str) -> None:
         if not ok:
@@ -174,9 +175,15 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
                 expand_files(cfg.text_files[base])
             except ValueError as e:
                 out.append(f"data.text_files.{base}: {e}")
-    else:
-        check(bool(cfg.tfds_name), "tfds_name", "set the TFDS dataset name, e.g. wikipedia/"
-              "20230601.en")
+    elif not cfg.tfds_name:
+        out.append("data.tfds_name='': set the TFDS dataset name, e.g. wikipedia/20230601.en")
+    else:   # opening a split reads no records; the first failure is usually the dataset's
+        for field in ("train_split", "test_split"):
+            try:
+                TfdsTextSource(cfg.tfds_name, cfg[field], cfg.data_dir, cfg.text_key)
+            except ValueError as e:
+                out.append(f"data.{field}={cfg[field]!r}: {e}")
+                break
     return out
 
 
