@@ -1,21 +1,44 @@
-"""Evaluate a checkpoint: python eval.py --workdir DIR [--step N] [--config configs/X.py ...]
+"""Evaluate a checkpoint: python eval.py --workdir DIR [--step N] [--config.a.b=v ...]
 
-Reads the config train.py saved in the workdir unless --config is given, evaluates the latest
-checkpoint (or --step) on data.test_split and writes DIR/checkpoints/eval_<step>_<split>.json
-(e.g. eval_800_test.json; another --config.data.test_split writes its own file).
+Reads the config train.py saved in the workdir (configs/saved.py:DIR) unless --config names
+another file; ``--config.*`` overrides apply on top of it. Evaluation may change only how and
+where it reads its data and on which devices (mesh, batch sizes, data paths and splits:
+``loop.EVAL_KEYS``); a config that differs from the run's config.json in any other key is
+refused. It evaluates the latest checkpoint (or --step) on data.test_split and writes
+DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json; another
+--config.data.test_split writes its own file).
 """
 import json
 import pathlib
+import re
 import sys
 
-import ml_collections
 from absl import app, flags, logging
 
 from posjax.training import loop
 
-loop.define_config_flag(None, "Config file[:variant] (default: the workdir's).")
+SAVED_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "saved.py"
+
+loop.define_config_flag(None, "Config file[:variant] (default: the workdir's, "
+                              "configs/saved.py:WORKDIR).")
 flags.DEFINE_string("workdir", None, "Directory train.py wrote.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+
+
+def with_saved_config(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config=configs/saved.py:WORKDIR`` put first when no --config file is
+    given, so that ``--config.*`` overrides apply to the workdir's saved config."""
+    if any(re.match(r"^--?config(=|$)", a) for a in argv[1:]):
+        return argv
+    first = flags.FlagValues()
+    flags.DEFINE_string("workdir", None, "", flag_values=first)
+    try:
+        first(argv, known_only=True)
+    except flags.Error:
+        return argv             # the full parse reports it
+    if first.workdir is None:
+        return argv
+    return [argv[0], f"--config={SAVED_CONFIG}:{first.workdir}", *argv[1:]]
 
 
 def main(argv):
@@ -23,21 +46,15 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
-    workdir = pathlib.Path(flags.FLAGS.workdir).expanduser()
     config = flags.FLAGS.config
-    if config is None:
-        saved = workdir / loop.CONFIG_FILE
-        if not saved.exists():
-            sys.exit(f"error: {saved} does not exist: give --workdir of a train.py run "
-                     "(or --config)")
-        config = ml_collections.ConfigDict(json.loads(saved.read_text()))
     loop.maybe_initialize_distributed(config)
     try:
-        result = loop.evaluate(config, workdir, flags.FLAGS.step)
+        result = loop.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
+                               flags.FLAGS.step)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=loop.parse_flags)
+    app.run(main, flags_parser=lambda argv: loop.parse_flags(with_saved_config(argv)))

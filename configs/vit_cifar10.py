@@ -12,7 +12,10 @@ from posjax.training.loop import default_config, model_defaults
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def get_config():
+def get_config(variant: str = ""):
+    if variant:
+        raise ValueError(f"variant {variant!r} is unknown: vit_cifar10.py has no variants; use "
+                         "--config configs/vit_cifar10.py")
     config = default_config()
     config.data = default_data_config("cifar10")
     config.data.update(path=str(SHARED / "cifar10"), train_split="train_20k",

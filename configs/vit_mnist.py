@@ -13,7 +13,10 @@ from posjax.training.loop import default_config, model_defaults
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def get_config():
+def get_config(variant: str = ""):
+    if variant:
+        raise ValueError(f"variant {variant!r} is unknown: vit_mnist.py has no variants; use "
+                         "--config configs/vit_mnist.py")
     config = default_config()
     config.data = default_data_config("mnist")
     config.data.update(path=str(SHARED / "mnist"), train_split="test[:8000]",

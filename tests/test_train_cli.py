@@ -34,6 +34,11 @@ def test_bad_input_exits_with_one_message(tmp_path):
     assert mesh.returncode == 1 and "Traceback" not in mesh.stderr
     assert "error: mesh (data=2, fsdp=1, tensor=1) needs 2 devices but 1 are present" \
         in mesh.stderr
+    variant = _run("train.py", "--config", "configs/vit_digits.py:bogus", f"--workdir={workdir}")
+    assert variant.returncode == 1 and "Traceback" not in variant.stderr
+    assert variant.stderr.strip().splitlines() == [
+        "error: cannot load the config given by --config configs/vit_digits.py:bogus: variant "
+        "'bogus' is unknown: use '' (default) or 'tiny'"]
     assert not workdir.exists()
 
 
@@ -71,3 +76,15 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout) == written
     assert json.loads((workdir / "checkpoints" / "eval_200_test.json").read_text()) == written
+
+    # --config.* overrides apply to the saved config: how the data is read may change ...
+    overridden = _run("eval.py", f"--workdir={workdir}", "--config.mesh.fsdp=1",
+                      "--config.eval_batch_size=8", "--config.data.test_split=test[:100]")
+    assert overridden.returncode == 0, overridden.stderr[-2000:]
+    assert json.loads(overridden.stdout)["num_examples"] == 100
+    # ... the model may not: one message naming the field, before any restore.
+    refused = _run("eval.py", f"--workdir={workdir}", "--config.model.hidden_size=32")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.startswith(f"error: the config differs from the run's "
+                                     f"{workdir / 'config.json'} in keys that define the model")
+    assert "\n  model.hidden_size: 16 -> 32\n" in refused.stderr

@@ -118,6 +118,34 @@ def test_eval_reproduces_the_training_eval(runs):
         loop.evaluate(config, straight, step=5)
 
 
+def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
+    config, straight, _, _ = runs
+    written = loop.eval_file(straight, 6, "test").read_text()
+    result = loop.train(config, straight)
+    assert result.step == 6 and not result.preempted
+    assert result.eval == {k: v for k, v in json.loads(written).items()
+                           if k not in ("step", "split")}
+    assert [r["step"] for r in _records(straight) if r["split"] == "eval"] == [6]
+    assert loop.eval_file(straight, 6, "test").read_text() == written
+
+
+def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
+    """A checkpoint that does not fit the config (no config.json to compare it with) raises
+    from Orbax's restore; the checkpointer is closed all the same."""
+    import shutil
+    config, straight, _, _ = runs
+    workdir = tmp_path / "copy"
+    shutil.copytree(straight / "checkpoints", workdir / "checkpoints")
+    closed = []
+    close = ckpt_lib.Checkpointer.close
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "close",
+                        lambda self: (closed.append(1), close(self)))
+    other = syn.tiny_config(**{"model.hidden_size": 32})
+    with pytest.raises(Exception):
+        loop.evaluate(other, workdir)
+    assert closed == [1]
+
+
 def test_init_from_converter_checkpoint(tmp_path, caplog):
     """Params saved as the converter does (StandardCheckpointer of {'params': tree} plus
     model_config.json) are loaded by path; a head with another num_classes and a position

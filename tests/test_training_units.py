@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -247,9 +249,9 @@ def test_workdir_checks(tmp_path):
         loop.train(config, a_file / "run")
     with pytest.raises(ValueError, match="not writable"):
         loop.train(config, "/proc/posjax_run")
-    # A workdir with another config's run is refused and left as it was.
+    # A workdir with another config's checkpointed run is refused and left as it was.
     workdir = tmp_path / "other"
-    workdir.mkdir()
+    (workdir / "checkpoints" / "4").mkdir(parents=True)     # a finalized step directory
     other = syn.tiny_config(**{"model.hidden_size": 32, "num_steps": 9, "mesh.data": 2})
     saved = json.dumps(loop.config_dict(other))
     (workdir / loop.CONFIG_FILE).write_text(saved)
@@ -257,7 +259,109 @@ def test_workdir_checks(tmp_path):
                                          r"(.|\n)*num_steps: 9 -> 6"):
         loop.train(config, workdir)
     assert (workdir / loop.CONFIG_FILE).read_text() == saved
-    assert sorted(p.name for p in workdir.iterdir()) == [loop.CONFIG_FILE]
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", loop.CONFIG_FILE]
+
+
+def _checkpointed_workdir(path, config):
+    """A workdir as a run of ``config`` leaves it after its first checkpoint (step 2)."""
+    (path / "checkpoints" / "2").mkdir(parents=True)
+    (path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+    return path
+
+
+def test_a_run_without_checkpoints_does_not_block_a_corrected_rerun(tmp_path):
+    """A config.json left by a run that failed before its first checkpoint (another config,
+    or a damaged file) is replaced: nothing depends on it yet."""
+    config = syn.tiny_config()
+    for text in (json.dumps(loop.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
+                 ""):
+        (tmp_path / loop.CONFIG_FILE).write_text(text)
+        (tmp_path / "checkpoints").mkdir(exist_ok=True)       # created, nothing saved
+        loop.check_workdir(tmp_path, config)
+        assert loop.config_to_save(tmp_path, config) == loop.config_dict(config)
+
+
+def test_damaged_config_json_is_named_with_the_fix(tmp_path):
+    workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
+    (workdir / loop.CONFIG_FILE).write_text("")
+    message = f"{workdir / loop.CONFIG_FILE} is damaged.*restore it from a copy"
+    with pytest.raises(ValueError, match=message):
+        loop.check_workdir(workdir, syn.tiny_config())
+    with pytest.raises(ValueError, match=message):
+        loop.load_saved_config(workdir)
+    (workdir / loop.CONFIG_FILE).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="damaged \\(not a JSON object\\)"):
+        loop.check_workdir(workdir, syn.tiny_config())
+
+
+def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "config.json"
+    loop.write_json(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    with pytest.raises(TypeError):
+        loop.write_json(path, {"a": object()})          # fails half-way through encoding
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]   # no temp file left
+
+
+def test_worker_count_change_is_refused_on_resume(tmp_path):
+    """Grain saves another iterator state with worker processes than without, so resuming
+    with another data.worker_count is refused up front (not a KeyError inside Grain)."""
+    from posjax.data import default_data_config
+    config = syn.tiny_config()
+    config.data = default_data_config("digits")
+    workdir = _checkpointed_workdir(tmp_path, config)
+    changed = config.copy_and_resolve_references()
+    changed.data.worker_count = 2
+    with pytest.raises(ValueError, match="another config(.|\n)*data.worker_count: 0 -> 2"):
+        loop.check_workdir(workdir, changed)
+
+
+def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
+    """A resumed run (or an evaluation) never reads init_from: it may be gone or changed;
+    config.json keeps where the run's weights came from."""
+    gone = str(tmp_path / "export_deleted_since")
+    config = syn.tiny_config(init_from=gone)
+    with pytest.raises(ValueError, match="init_from="):
+        loop.prepare(config, tmp_path / "fresh", training=True)
+    workdir = _checkpointed_workdir(tmp_path / "run", config)
+    loop.prepare(config, workdir, training=True)
+    loop.prepare(config, workdir, training=False)
+    elsewhere = syn.tiny_config(init_from=str(tmp_path / "another_export"))
+    loop.prepare(elsewhere, workdir, training=True)
+    assert loop.config_to_save(workdir, elsewhere)["init_from"] == gone
+
+
+def test_eval_may_change_only_how_it_reads_the_data(tmp_path):
+    config = syn.tiny_config()
+    workdir = _checkpointed_workdir(tmp_path, config)
+    allowed = syn.tiny_config(**{"mesh.data": 1, "mesh.fsdp": 8, "eval_batch_size": 8,
+                                 "batch_size": 8, "init_from": "/elsewhere"})
+    with allowed.unlocked():
+        allowed.data = {"test_split": "train[:10%]", "path": "/moved"}
+    loop.check_eval_config(workdir, allowed)
+    changed = syn.tiny_config(**{"model.hidden_size": 32, "optimizer.name": "sgd"})
+    with pytest.raises(ValueError, match=r"model or its checkpointed state:\n"
+                                         r"  model.hidden_size: 16 -> 32\n"
+                                         r"  optimizer.name: 'adamw' -> 'sgd'\n"):
+        loop.check_eval_config(workdir, changed)
+
+
+def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
+    """digits has 10 classes of 1-channel images: another model.num_classes or num_channels
+    is one ValueError naming the field and the fix, before the workdir is created."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "configs"))
+    import vit_digits
+    for field, value, match in (
+            ("num_classes", 5, "model.num_classes=5 but digits has 10 classes: set "
+                               "--config.model.num_classes=10"),
+            ("num_channels", 3, "model.num_channels=3 but digits images have 1 channels: set "
+                                "--config.model.num_channels=1")):
+        config = vit_digits.get_config("tiny")
+        config.model[field] = value
+        with pytest.raises(ValueError, match=match):
+            loop.train(config, tmp_path / "w")
+        assert not (tmp_path / "w").exists()
 
 
 def test_init_from_summary_counts_and_shows_the_first_notes():

@@ -1,9 +1,11 @@
 """Training and evaluation entry points: ``train(config, workdir)``, ``evaluate(config, workdir)``.
 
 Everything the user can get wrong (config values, mesh vs devices, batch divisibility, data
-files, the workdir) is checked by ``prepare`` before anything is compiled or written.
+files and splits, the workdir, init_from) is checked by ``prepare``, and data that does not fit
+the model by making the input pipeline, before anything is compiled or written.
 
-Workdir layout: ``config.json`` (the run's config; a different run is refused),
+Workdir layout: ``config.json`` (the run's config; once the run has a checkpoint, a run with
+another config is refused; before that the file is replaced),
 ``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>_<split>.json``
 (eval metrics of that checkpoint on ``data.test_split``, see ``eval_file``), ``metrics.jsonl``,
 ``tensorboard/``, ``loss_curve.png``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import re
 import tempfile
@@ -42,9 +45,17 @@ from posjax.training import steps as steps_lib
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
-# Keys that may change between a run and its resumption (they do not change the math).
+# Keys that may change between a run and its resumption: they change neither the math nor the
+# saved state. init_from only seeds a run that starts without a checkpoint. data.worker_count is
+# not one: Grain saves another input-iterator state with worker processes than without.
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
-                    "distributed", "data.worker_count")
+                    "distributed", "init_from")
+# Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
+# from where evaluation reads its data. Every other key defines the model or its saved state.
+EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "eval_batch_size", "microbatches", "data.path",
+                                "data.data_dir", "data.glue_dir", "data.text_files",
+                                "data.tokenizer", "data.train_split", "data.test_split",
+                                "data.worker_count")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -140,8 +151,6 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
            "valid: must be >= 0 (0 keeps all)")
     _check(config.peak_flops >= 0, f"peak_flops={config.peak_flops!r} is not valid: must be >= 0")
     optim.validate(config.optimizer, config.num_steps)
-    if config.init_from:
-        state_lib.pretrained_location(config.init_from)   # raises when there is nothing to load
 
 
 def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
@@ -206,17 +215,65 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: saved -> current' for every key that differs, ignoring OPERATIONAL_KEYS."""
+def config_differences(saved: dict[str, Any], current: dict[str, Any],
+                       free: tuple[str, ...] = OPERATIONAL_KEYS) -> list[str]:
+    """'key: saved -> current' for every key that differs, ignoring the keys in ``free`` (and
+    everything under them)."""
     a, b = _flat(saved), _flat(current)
-    def operational(k):
-        return any(k == o or k.startswith(o + ".") for o in OPERATIONAL_KEYS)
+    def is_free(k):
+        return any(k == o or k.startswith(o + ".") for o in free)
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if not operational(k) and a.get(k) != b.get(k)]
+            for k in sorted(set(a) | set(b)) if not is_free(k) and a.get(k) != b.get(k)]
+
+
+def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
+    """The run's ``config.json`` as a dict; None when the workdir has none."""
+    path = pathlib.Path(workdir).expanduser() / CONFIG_FILE
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        saved = e
+    if not isinstance(saved, dict):
+        why = saved if isinstance(saved, Exception) else "not a JSON object"
+        raise ValueError(f"{path} is damaged ({why}): it should hold the run's config as JSON; "
+                         "restore it from a copy, or use a new --workdir")
+    return saved
+
+
+def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """The config a train.py run saved in ``workdir`` (its ``config.json``)."""
+    saved = read_saved_config(workdir)
+    if saved is None:
+        raise ValueError(f"{pathlib.Path(workdir).expanduser() / CONFIG_FILE} does not exist: "
+                         "give the --workdir of a train.py run (or --config)")
+    return ml_collections.ConfigDict(saved)
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    """``data`` as indented JSON into ``path``, atomically (a temp file in the same folder, then
+    os.replace): a crash leaves the old file or the new one, never a partial one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def saved_steps(workdir: pathlib.Path) -> list[int]:
+    """Steps of the finalized checkpoints in ``workdir/checkpoints`` (none: a fresh start)."""
+    import orbax.checkpoint as ocp
+
+    return sorted(ocp.utils.checkpoint_steps(workdir / "checkpoints"))
 
 
 def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
-    """Writable, and not holding another config's run."""
+    """Writable, and not holding a checkpointed run of another config (a ``config.json`` left
+    by a run that stopped before its first checkpoint is replaced: nothing depends on it)."""
     existing = workdir
     while not existing.exists():
         existing = existing.parent
@@ -229,17 +286,33 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
     except OSError as e:
         raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
                          f"{e.strerror}); choose a directory you can write to") from None
-    saved = workdir / CONFIG_FILE
-    if saved.exists():
-        diffs = config_differences(json.loads(saved.read_text()), config_dict(config))
-        if diffs:
-            raise ValueError(
-                f"workdir {str(workdir)!r} holds a run with another config; refusing to "
-                "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
-                + "\nUse a new --workdir (or delete this one to start over).")
-    elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+    if not saved_steps(workdir):
+        return
+    saved = read_saved_config(workdir)
+    if saved is None:
         raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {CONFIG_FILE}: "
                          "it is not a posjax run directory; use a new --workdir")
+    diffs = config_differences(saved, config_dict(config))
+    if diffs:
+        raise ValueError(
+            f"workdir {str(workdir)!r} holds a run with another config; refusing to "
+            "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
+            + "\nUse a new --workdir (or delete this one to start over).")
+
+
+def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+    """Evaluation may change only EVAL_KEYS against the run's ``config.json`` (the rest defines
+    the model and the state its checkpoints hold)."""
+    saved = read_saved_config(workdir)
+    if saved is None:
+        return
+    diffs = config_differences(saved, config_dict(config), EVAL_KEYS)
+    if diffs:
+        raise ValueError(
+            f"the config differs from the run's {workdir / CONFIG_FILE} in keys that define the "
+            "model or its checkpointed state:\n  " + "\n  ".join(diffs[:20])
+            + "\nEvaluate with the run's own config (eval.py reads it when --config is not "
+            "given); overrides may change only " + ", ".join(EVAL_KEYS))
 
 
 # ----------------------------------------------------------------------------- run setup
@@ -275,6 +348,11 @@ class Run:
         return self.task.make_pipeline(split, global_batch_size // count, self.config.seed,
                                        train, shard, count)
 
+    def make_eval_pipeline(self) -> Any:
+        """One pass over ``data.test_split`` in eval batches."""
+        return self.make_pipeline("test", self.config.eval_batch_size or self.config.batch_size,
+                                  False)
+
 
 class _Context:
     def __init__(self, mesh: Mesh):
@@ -301,8 +379,12 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     validate_batch(config, mesh)
     if training:
         check_workdir(workdir, config)
+        if config.init_from and not saved_steps(workdir):   # read only by a fresh start
+            state_lib.pretrained_location(config.init_from)   # raises when nothing to load
     elif not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first")
+    else:
+        check_eval_config(workdir, config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
@@ -319,13 +401,13 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 # ----------------------------------------------------------------------------- evaluation
 
 
-def run_evaluation(run: Run, params: Any, eval_step,
+def run_evaluation(run: Run, params: Any, eval_step, pipe: Any = None,
                    predictions_dir: pathlib.Path | None = None) -> dict[str, float]:
-    """One pass over the test split; per-example outputs gathered from every process, padded
-    examples dropped, then ``task.summarize`` (and ``task.write_predictions`` into
-    ``predictions_dir`` when given, on process 0)."""
-    config = run.config
-    pipe = run.make_pipeline("test", config.eval_batch_size or config.batch_size, False)
+    """One pass over the test split (``pipe``, default a fresh ``run.make_eval_pipeline()``);
+    per-example outputs gathered from every process, padded examples dropped, then
+    ``task.summarize`` (and ``task.write_predictions`` into ``predictions_dir`` when given, on
+    process 0)."""
+    pipe = run.make_eval_pipeline() if pipe is None else pipe
     collected: dict[str, list[np.ndarray]] = {}
     for local in pipe.iterator:
         batch = global_batch(local, run.mesh)
@@ -363,27 +445,40 @@ def write_eval(run: Run, step: int, result: dict[str, float]) -> pathlib.Path:
     split = evaluated_split(run.config)
     path = eval_file(run.workdir, step, split)
     if run.is_main:
-        path.write_text(json.dumps({"step": step, "split": split, **result}, indent=2) + "\n")
+        write_json(path, {"step": step, "split": split, **result})
     return path
+
+
+def read_eval(run: Run, step: int) -> dict[str, float] | None:
+    """The metrics ``write_eval`` saved for ``step`` (None when there is no readable file)."""
+    path = eval_file(run.workdir, step, evaluated_split(run.config))
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in saved.items() if k not in ("step", "split")}
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
     run = prepare(config, workdir, training=False)
+    steps = saved_steps(run.workdir)
+    if step is None and steps:
+        step = steps[-1]
+    if step is None or step not in steps:
+        raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
+                         f"(available: {steps or 'none'})")
+    pipe = run.make_eval_pipeline()     # data errors before the restore
     checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
                                          config.checkpoint.keep, create=False)
-    steps = checkpointer.all_steps()
-    if step is None:
-        step = checkpointer.latest_step()
-    if step is None or step not in steps:
-        raise ValueError(f"step={step!r}: no such checkpoint in {checkpointer.directory} "
-                         f"(available: {sorted(steps) or 'none'})")
-    state = checkpointer.restore(step, run.abstract)
-    checkpointer.close()
+    try:
+        state = checkpointer.restore(step, run.abstract)
+    finally:
+        checkpointer.close()
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
-        result = run_evaluation(run, state.params, eval_step,
+        result = run_evaluation(run, state.params, eval_step, pipe,
                                 run.workdir / "predictions" / f"step_{step}")
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
@@ -408,16 +503,26 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     would; used to test resumption.
     """
     run = prepare(config, workdir, training=True)
-    pipe = run.make_pipeline("train", config.batch_size, True)   # data errors before writing
+    # Data errors (and data that does not fit the model) before anything is written.
+    pipe = run.make_pipeline("train", config.batch_size, True)
     run.workdir.mkdir(parents=True, exist_ok=True)
     if run.is_main:
-        (run.workdir / CONFIG_FILE).write_text(json.dumps(config_dict(config), indent=2) + "\n")
+        write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
     checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
                                          config.checkpoint.keep, config.checkpoint.async_save)
     try:
         return _train(run, checkpointer, pipe.iterator, stop_after)
     finally:
         checkpointer.close()
+
+
+def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config.json of a (re)started run: ``config``, except that a resumed run keeps the
+    saved ``init_from`` (where its weights came from; a resume does not read it)."""
+    data = config_dict(config)
+    if saved_steps(workdir):
+        data["init_from"] = read_saved_config(workdir).get("init_from", "")
+    return data
 
 
 def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
@@ -487,8 +592,10 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
         if checkpointer.latest_step() != step:
             checkpointer.save(step, state, iterator, force=True)
         checkpointer.wait()
-        result = run_evaluation(run, state.params, eval_step)
-    writer.write(step, "eval", result)
+        result = read_eval(run, step) if start == step else None   # a finished run rerun
+        if result is None:
+            result = run_evaluation(run, state.params, eval_step)
+            writer.write(step, "eval", result)
     writer.close()
     path = write_eval(run, step, result)
     if run.is_main:
@@ -542,6 +649,17 @@ def _unknown_key_exit(error: Exception, argv: list[str]):
              "such field (check the spelling against the config file)")
 
 
+def _raised_message(text: str) -> str:
+    """The message of the exception a formatted traceback ends with (from the first unindented
+    line after the last frame, without the 'ValueError: ' prefix); ml_collections hands a failed
+    get_config() over as such text."""
+    lines = text.strip().splitlines()
+    frames = [i for i, ln in enumerate(lines) if ln.startswith('  File "')]
+    after = lines[frames[-1] + 1:] if frames else lines
+    start = next((i for i, ln in enumerate(after) if not ln.startswith(" ")), 0)
+    return re.sub(r"^[\w.]+: ", "", "\n".join(after[start:]).strip())
+
+
 def define_config_flag(default: str | None, help_text: str) -> None:
     """``--config`` (ml_collections config file with ``--config.a.b=v`` overrides). With a
     default, ml_collections applies the overrides while the flag is defined, so an unknown key
@@ -569,6 +687,9 @@ def parse_flags(argv: list[str]) -> list[str]:
             flags.FLAGS.config.get("task")   # a config that failed to load raises here
         return rest
     except flags.Error as e:
+        if "Error whilst parsing config file" in str(e):   # get_config raised: its message
+            sys.exit(f"error: cannot load the config given by {_config_args(argv)}: "
+                     f"{_raised_message(str(e))}")
         sys.exit(f"error: {e}\nPass --helpfull to see the flags.")
     except (KeyError, AttributeError) as e:
         _unknown_key_exit(e, argv)

@@ -237,12 +237,29 @@ class ImageClassification(Task):
     def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
                       shard_index: int, shard_count: int) -> Any:
         from posjax.data import make_image_pipeline
-        return make_image_pipeline(self.config.data, split=split, batch_size=batch_size,
-                                   seed=seed, train=train, shard_index=shard_index,
-                                   shard_count=shard_count)
+        pipeline = make_image_pipeline(self.config.data, split=split, batch_size=batch_size,
+                                       seed=seed, train=train, shard_index=shard_index,
+                                       shard_count=shard_count)
+        check_data_fits_model(pipeline.num_classes, pipeline.image_shape, self.model_config,
+                              self.config.data.get("name", "the dataset"))
+        return pipeline
 
     def train_flops(self) -> flops.Flops:
         return flops.vit_train_flops(self.model_config)
+
+
+def check_data_fits_model(num_classes: int, image_shape: tuple[int, int, int], cfg: ViTConfig,
+                          data_name: str) -> None:
+    """The dataset's classes and image channels (of images (H, W, C)) must be the model's
+    num_classes and num_channels (``validate`` compares the sizes): one ValueError naming the
+    model field and its fix."""
+    if num_classes != cfg.num_classes:
+        raise ValueError(f"model.num_classes={cfg.num_classes} but {data_name} has "
+                         f"{num_classes} classes: set --config.model.num_classes={num_classes}")
+    if image_shape[2] != cfg.num_channels:
+        raise ValueError(f"model.num_channels={cfg.num_channels} but {data_name} images have "
+                         f"{image_shape[2]} channels: set --config.model.num_channels="
+                         f"{image_shape[2]}")
 
 
 def _to_dict(c: Any) -> dict[str, Any]:
