@@ -80,7 +80,13 @@ def test_analytic_flops_equal_the_traced_matmuls(overrides):
     {"position_scheme": "deberta_v2", "max_relative_positions": 16, "position_buckets": 4,
      "share_att_key": True, "conv_kernel_size": 3},
     {"position_scheme": "deberta", "max_relative_positions": 4},
-], ids=["bert_abs", "tupe_r", "deberta_v2_conv", "deberta_v1"])
+    # 2T − 1 = 23 distances <= R table rows: ``shift`` multiplies only those 23 rows.
+    {"position_scheme": "deberta_v2", "max_relative_positions": 32, "position_buckets": 16},
+    {"position_scheme": "deberta", "max_relative_positions": 16},
+    {"position_scheme": "deberta_v2", "max_relative_positions": 32, "position_buckets": 16,
+     "gather": "take"},
+], ids=["bert_abs", "tupe_r", "deberta_v2_conv", "deberta_v1", "deberta_v2_shift_short",
+        "deberta_v1_shift_short", "deberta_v2_take_short"])
 def test_classifier_flops_equal_the_traced_matmuls(overrides):
     """[CLS] classifiers (the last layer computes token 0 alone): 3 sequences of 12 tokens."""
     from posjax.models.config import TextConfig

@@ -81,10 +81,15 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         if scheme == "deberta" and axes == 1:
             span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
         rows = axes * 2 * span
+        # ``shift`` on text multiplies only the 2T − 1 table rows of the distances
+        # (posjax.layers.disentangled.position_logits) when they are fewer than R.
+        product_rows = rows
+        if cfg.gather == "shift" and axes == 1 and 2 * tokens - 1 <= rows:
+            product_rows = 2 * tokens - 1
         per_layer = len(cfg.pos_att_type)
         terms = cfg.num_layers * per_layer
         full_layers = cfg.num_layers - 1 if first_only else cfg.num_layers
-        per_example = full_layers * per_layer * 2.0 * tokens * rows * h
+        per_example = full_layers * per_layer * 2.0 * tokens * product_rows * h
         if first_only:
             per_example += per_layer * 2.0 * tokens * h
         return Flops(per_example=per_example, per_step=terms * 2.0 * rows * h * h)
