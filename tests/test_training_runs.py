@@ -130,8 +130,8 @@ def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
 
 
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
-    """A checkpoint that does not fit the config (no config.json to compare it with) raises
-    from Orbax's restore; the checkpointer is closed all the same."""
+    """A checkpoint that does not fit the config (no config.json to compare it with: another
+    optimizer state) raises from Orbax's restore; the checkpointer is closed all the same."""
     import shutil
     config, straight, _, _ = runs
     workdir = tmp_path / "copy"
@@ -140,8 +140,8 @@ def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, mon
     close = ckpt_lib.Checkpointer.close
     monkeypatch.setattr(ckpt_lib.Checkpointer, "close",
                         lambda self: (closed.append(1), close(self)))
-    other = syn.tiny_config(**{"model.hidden_size": 32})
-    with pytest.raises(Exception):
+    other = syn.tiny_config(**{"optimizer.name": "sgd"})
+    with pytest.raises(ValueError, match="tree structures do not match"):
         loop.evaluate(other, workdir)
     assert closed == [1]
 
