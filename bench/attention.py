@@ -39,7 +39,13 @@ def settings(scale: Scale) -> dict:
                     time_cap=2 ** 28, dtype=scale.dtype)
     return dict(hidden=768, heads=12, buckets=256, max_position=512,
                 lengths=(128, 256, 512, 1024, 2048, 4096),
-                time_cap=(40 if scale.gpu else 2) * 2 ** 30, dtype=scale.dtype)
+                time_cap=_gpu_time_cap() if scale.gpu else 2 * 2 ** 30, dtype=scale.dtype)
+
+
+def _gpu_time_cap() -> float:
+    """Half of the device memory JAX may use (the rest: arguments, outputs, torch's cache)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return 0.5 * stats["bytes_limit"] if "bytes_limit" in stats else 40 * 2 ** 30
 
 
 def make_layer(s: dict, gather: str) -> DisentangledAttention:
@@ -87,7 +93,12 @@ def _forward(s: dict, variant: str, length: int) -> Callable:
         layer = make_layer(s, "take")
         index = layer.relative_index(length, length, None)[0]
         scale = (s["hidden"] // s["heads"] * 3) ** -0.5
-        return lambda p, x, t, m: naive_attention(p, x, t, m, index, scale)
+        dtype = jnp.dtype(s["dtype"])      # compute in the dtype ours runs in (bf16 on GPU)
+
+        def naive(p, x, t, m):
+            p, x, t = jax.tree.map(lambda a: a.astype(dtype), (p, x, t))
+            return naive_attention(p, x, t, m, index, scale)
+        return naive
     layer = make_layer(s, variant)
     return lambda p, x, t, m: layer.apply({"params": p}, x, x, rel_table=t, mask=m)
 
@@ -152,28 +163,33 @@ def _time_table(s: dict, lengths: list[int], times: dict, diff: float) -> Table:
         rows.append([n] + [1e3 * median(times[n, v]) if (n, v) in times else None
                            for v in VARIANTS])
     h, d = s["heads"], s["hidden"] // s["heads"]
+    skipped = [n for n in s["lengths"] if n not in lengths]
+    budget_note = ([f"Not measured (time budget spent): L = {', '.join(map(str, skipped))}."]
+                   if skipped else [])
     return Table("Disentangled attention: forward + backward time (ms), batch 1",
                  ["L"] + list(VARIANTS), rows,
                  [f"One layer, H = {s['hidden']}, h = {h} (d = {d}), k = {s['buckets']} "
                   f"(R = {2 * s['buckets']} table rows), log buckets, shared key, c2p + p2c.",
                   "— : not run, XLA scratch above the timing cap of "
                   f"{s['time_cap'] / 2 ** 20:.0f} MiB (see the memory table).",
-                  f"Outputs of all three strategies equal the naive form: max |Δ| = {diff:.1e} "
-                  f"at L = {min(lengths) if lengths else '—'}."])
+                  (f"Outputs of all three strategies equal the naive form: max |Δ| = "
+                   f"{diff:.1e} at L = {min(lengths)}." if lengths else
+                   "No length measured (time budget spent).")] + budget_note)
 
 
 def _memory_table(s: dict, lengths: list[int], memory: dict) -> Table:
     h, d = s["heads"], s["hidden"] // s["heads"]
     rows = []
+    size = jnp.dtype(s["dtype"]).itemsize
     for n in lengths:
-        lh = 4.0 * n * n * h            # one fp32 (h, L, L) tensor
+        lh = 4.0 * n * n * h            # one fp32 (h, L, L) tensor (logits, softmax: fp32)
         rows.append([n] + [memory[n, v] / 2 ** 20 for v in VARIANTS]
-                    + [memory[n, "take"] / lh, memory[n, "naive"] / (lh * d)])
+                    + [memory[n, "take"] / lh, memory[n, "naive"] / (size * n * n * h * d)])
     notes = ["XLA temp (scratch) memory of forward + backward, MiB. "
-             "Units: one fp32 (h, L, L) tensor = 4·L²·h bytes.",
+             "Units: one fp32 (h, L, L) tensor = 4·L²·h bytes (logits and softmax run in fp32).",
              "ours/L²h: take's scratch in those units; bounded as L grows means O(L·k + L²·h) "
              "(no L²·d term); naive/L²hd: the naive scratch in units of one (L, L, h, d) "
-             "tensor."]
+             f"{s['dtype']} tensor ({size}·L²·h·d bytes)."]
     if len(lengths) >= 2:
         a, b = lengths[-2], lengths[-1]
         growth = {v: memory[b, v] / memory[a, v] for v in VARIANTS}

@@ -17,6 +17,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 if __package__ in (None, ""):   # `python bench/run.py`
@@ -84,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "jax[cuda12] and a CUDA torch on a GPU machine, or add --smoke to try the GPU "
               "path at tiny sizes here", file=sys.stderr)
         return 2
+    if args.gpu and not args.smoke and not _torch_has_cuda():
+        print("--gpu compares with Hugging Face on the same GPU, but torch has no CUDA here: "
+              "install a CUDA build of torch (the pinned torch wheel is CPU-only)",
+              file=sys.stderr)
+        return 2
     from bench import attention, compile_time, pipelines, throughput
     from bench.common import Budget, Scale, environment, load_average
 
@@ -100,20 +106,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_header_markdown(report), flush=True)
     total = Budget(args.budget)
     context: dict = {}
+    failed: list[str] = []
     for i, name in enumerate(args.suites):
         remaining = sum(SHARES[s] for s in args.suites[i:])
         share = total.left() * SHARES[name] / remaining if args.budget else 0.0
         entry = {"suite": name, "load_before": load_average()}
         t0 = time.perf_counter()
-        tables = modules[name].run(scale, Budget(max(share, 1e-9) if args.budget else 0.0),
-                                   context)
+        try:
+            tables = modules[name].run(scale, Budget(max(share, 1e-9) if args.budget else 0.0),
+                                       context)
+        except Exception as e:   # e.g. out of memory: keep the other suites' results
+            traceback.print_exc()
+            tables, entry["error"] = [], _one_line(e)
+            failed.append(name)
         entry.update(seconds=time.perf_counter() - t0, load_after=load_average(),
                      tables=[t.as_dict() for t in tables])
         report["suites"].append(entry)
         print(_suite_markdown(entry, tables), flush=True)
         if args.out:
             _write(pathlib.Path(args.out), report)
+    if failed:
+        print(f"suite(s) failed: {', '.join(failed)} (the others' results are complete)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _torch_has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _set_torch_threads() -> None:
@@ -134,6 +163,8 @@ def _header_markdown(report: dict) -> str:
 def _suite_markdown(entry: dict, tables: list) -> str:
     head = (f"## {entry['suite']}\n\nLoad average before / after: {entry['load_before']} / "
             f"{entry['load_after']}; suite wall time {entry['seconds']:.0f} s.\n")
+    if entry.get("error"):
+        head += f"\n**Failed**: {entry['error']}\n"
     return head + "\n" + "\n".join(t.markdown() for t in tables)
 
 

@@ -97,14 +97,14 @@ HF_TUPE_NOTE = "HF has no TUPE: HF column is BertForSequenceClassification (abso
 def throughput_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
     """The four models of the throughput table. CPU: 6 × 768 text encoders (DeBERTa-v3-small
     shape, BERT vocabulary 30,522 for all three so sizes are equal), batch 8 × 128; ViT-S/16
-    at 224 px, batch 8. GPU: base sizes in bf16, batch 32 × 512 and ViT-B/16 batch 128."""
+    at 224 px, batch 8. GPU: base sizes (12 × 768) in bf16, again with BERT's vocabulary for
+    all three (DeBERTa-v3-base's own 128,100 words would add 75M embedding parameters and
+    unbalance the overhead table), batch 32 × 512 and ViT-B/16 batch 128."""
     gpu, smoke = scale == "gpu", scale == "smoke"
     tb, tl = (2, 16) if smoke else ((32, 512) if gpu else (8, 128))
     vb = 2 if smoke else (128 if gpu else 8)
     suffix = "base" if gpu else "small"
     deberta = text_config("deberta_v2", scale, dtype)
-    if gpu:   # the real DeBERTa-v3-base vocabulary
-        deberta = dataclasses.replace(deberta, vocab_size=128100)
     return [
         Workload(f"BERT-A ({suffix})", text_config("bert_abs", scale, dtype), tb, tl, hf="bert"),
         Workload(f"TUPE-R ({suffix})", text_config("tupe_r", scale, dtype), tb, tl, hf="bert",
@@ -117,29 +117,31 @@ def throughput_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
 
 # --------------------------------------------------------------------------- analytic FLOPs
 
-def forward_flops(w: Workload) -> float:
+def forward_flops(w: Workload, every_row: bool = False) -> float:
     """Matmul FLOPs of one forward pass over the whole batch (2 per multiply-add), as
     ``posjax.training.flops`` counts them for the model as it runs: per layer projections
     2·L·4H², MLP 2·L·2HF, scores and weighted values 4·L²·H, except that the last layer of a
     [CLS] classifier computes token 0 alone (``Encoder(first_only=True)``). Terms that do not
     depend on the batch are counted once per step: DeBERTa's table projections 2·R·H² per
-    layer and term (R = 2k rows; the products with the content 2·L·R·H per sequence), TUPE's
-    position correlation. Heads: text pooler 2H² + classifier 2H·C per example; ViT as
-    ``flops.vit_forward_flops``. Embedding lookups, LayerNorm, softmax, dropout and the
-    optimizer count as zero. HF computes every row of the last layer: the same count
-    understates its work by that layer's other rows (see BENCHMARKS.md).
+    layer and term (R = 2k rows; the products with the content 2·L·R'·H per sequence, R' = R,
+    or 2L − 1 with the ``shift`` gather when fewer), TUPE's position correlation. Heads: text
+    pooler 2H² + classifier 2H·C per example; ViT as ``flops.vit_forward_flops``. Embedding
+    lookups, LayerNorm, softmax, dropout and the optimizer count as zero.
+
+    ``every_row``: the last layer computes every token, as HF does (its FLOPs for HF's MFU).
     """
     cfg, b, seq = w.cfg, w.batch, w.tokens
     if not w.is_text:
-        return flops.vit_forward_flops(cfg).total(b)
+        return flops.vit_forward_flops(cfg, first_only=not every_row).total(b)
     h = cfg.hidden_size
     head = flops.Flops(per_example=2 * h * h + 2 * h * w.num_labels)
-    return float((flops.text_encoder_forward_flops(cfg, seq, first_only=True) + head).total(b))
+    return float((flops.text_encoder_forward_flops(cfg, seq, first_only=not every_row)
+                  + head).total(b))
 
 
-def train_flops(w: Workload) -> float:
+def train_flops(w: Workload, every_row: bool = False) -> float:
     """One training step = forward + backward = 3 × forward matmul FLOPs."""
-    return flops.TRAIN_FACTOR * forward_flops(w)
+    return flops.TRAIN_FACTOR * forward_flops(w, every_row)
 
 
 # --------------------------------------------------------------------------- inputs

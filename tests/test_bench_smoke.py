@@ -2,12 +2,13 @@
 numbers; bad command lines fail before anything runs."""
 import json
 import math
+import time
 
 import pytest
 
 from bench import run as bench_run
 from bench.attention import max_abs_difference, settings
-from bench.common import Scale
+from bench.common import Budget, Scale
 from bench.workloads import forward_flops, throughput_workloads
 
 
@@ -112,6 +113,55 @@ def test_xla_options_parse_to_compile_options():
 def test_gpu_mode_without_gpu_says_how_to_fix(capsys):
     assert bench_run.main(["--gpu", "compile"]) == 2
     assert "--smoke" in capsys.readouterr().err
+
+
+def test_gpu_mode_refuses_a_cpu_only_torch(monkeypatch, capsys):
+    """JAX on a GPU but the pinned CPU torch: HF would silently run on the CPU."""
+    import jax
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert bench_run.main(["--gpu", "compile"]) == 2
+    assert "torch has no CUDA" in capsys.readouterr().err
+
+
+def test_spent_budget_skips_work_but_still_reports():
+    from bench import compile_time
+    spent = Budget(1e-9)
+    time.sleep(0.001)
+    compile_table, step_table = compile_time.run(Scale("smoke", 2, 1.0), spent, {})
+    assert compile_table.rows == [[1, None, None]] and not step_table.rows
+    assert any("time budget spent" in n for n in compile_table.notes)
+
+
+def test_a_failing_suite_keeps_the_others_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    from bench import attention
+
+    def out_of_memory(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore detail")
+    monkeypatch.setattr(attention, "run", out_of_memory)
+    out = tmp_path / "r.md"
+    assert bench_run.main(["--smoke", "attention", "compile", "--budget", "1e-9",
+                           "--out", str(out)]) == 1
+    text = out.read_text()
+    assert "**Failed**: RuntimeError: RESOURCE_EXHAUSTED: out of memory\n" in text
+    assert "### Compile time of one training step" in text
+    assert "suite(s) failed: attention" in capsys.readouterr().err
+
+
+def test_a_failing_throughput_group_keeps_the_other(monkeypatch):
+    from bench import throughput
+
+    def text_only(group, scale, budget):
+        if not group[0].is_text:
+            raise RuntimeError("CUDA out of memory")
+        return {w.name: {"ours": [1.0, 1.0], "hf": [2.0, 2.0], "compile_s": 1.0,
+                         "xla_flops": 1.0, "params": 1, "hf_params": 1, "hf_attn": "sdpa",
+                         "hf_optimizer": "fused", "hf_device": "cpu", "same_hf_as": w.name}
+                for w in group}
+    monkeypatch.setattr(throughput, "_measure_group", text_only)
+    speed = throughput.run(Scale("smoke", 2, 0), Budget(0), {})[0]
+    names = [w.name for w in throughput_workloads("smoke")]
+    assert [row[0] for row in speed.rows] == names[:3]
+    assert f"Failed: {names[3]}: RuntimeError: CUDA out of memory" in speed.notes
 
 
 @pytest.mark.parametrize("argv, message", [

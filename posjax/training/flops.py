@@ -129,8 +129,10 @@ def resnet_stem_flops(cfg: ViTConfig) -> float:
     return total
 
 
-def vit_forward_flops(cfg: ViTConfig) -> Flops:
-    """Forward FLOPs through ``posjax.models.vit.ViT`` (per image + per step)."""
+def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
+    """Forward FLOPs through ``posjax.models.vit.ViT`` (per image + per step); with 'token'
+    pooling the last layer computes [CLS] alone, as the model runs (``first_only=False``:
+    every row, as implementations without that shortcut do)."""
     h = cfg.hidden_size
     gh, gw = cfg.grid_size
     patches = gh * gw
@@ -148,7 +150,8 @@ def vit_forward_flops(cfg: ViTConfig) -> Flops:
         features = cfg.representation_size
     per_image += 2.0 * features * cfg.num_classes
     return Flops(per_example=per_image) + encoder_forward_flops(
-        cfg, t, axes=2, first_only=cfg.pooling == "token" and can_run_first_only(cfg))
+        cfg, t, axes=2,
+        first_only=first_only and cfg.pooling == "token" and can_run_first_only(cfg))
 
 
 def vit_train_flops(cfg: ViTConfig) -> Flops:
