@@ -173,7 +173,9 @@ class TextForMaskedLM(nn.Module):
 
 class TextForSequenceClassification(nn.Module):
     """GLUE head on [CLS]: logits = W · dropout(act(dense(dropout(h_0)))) + b; num_labels=1 is
-    regression (STS-B)."""
+    regression (STS-B). The head of the official DeBERTa (ContextPooler) and of fairseq, which
+    TUPE's code uses, for every scheme; HF's BertForSequenceClassification has no dropout
+    before its pooler (same values in eval mode)."""
 
     cfg: TextConfig
     num_labels: int = 2
