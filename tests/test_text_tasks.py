@@ -125,7 +125,7 @@ def test_glue_from_converted_encoder(tmp_path):
     from posjax.models.config import TextConfig
     from posjax.models.text import TextEncoder
 
-    config = glue_config("rte,deberta", "tiny")
+    config = glue_config("mrpc,deberta", "tiny")   # a task with local files
     config.model.update(TINY, max_position_embeddings=32, max_relative_positions=32,
                         vocab_size=30522)
     config.data.max_seq_length = 32
