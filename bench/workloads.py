@@ -140,7 +140,10 @@ def forward_flops(w: Workload, every_row: bool = False) -> float:
 
 
 def train_flops(w: Workload, every_row: bool = False) -> float:
-    """One training step = forward + backward = 3 × forward matmul FLOPs."""
+    """One training step = forward + backward = 3 × forward matmul FLOPs (ViT: less the
+    input gradient of the patch embedding, ``flops.vit_train_flops``)."""
+    if not w.is_text:
+        return flops.vit_train_flops(w.cfg, first_only=not every_row).total(w.batch)
     return flops.TRAIN_FACTOR * forward_flops(w, every_row)
 
 

@@ -154,9 +154,19 @@ def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
         first_only=first_only and cfg.pooling == "token" and can_run_first_only(cfg))
 
 
-def vit_train_flops(cfg: ViTConfig) -> Flops:
-    """Training FLOPs (forward + backward)."""
-    return vit_forward_flops(cfg).scaled(TRAIN_FACTOR)
+def vit_train_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
+    """Training FLOPs: 3 × forward (forward, dx and dW of every product), less the dx of the
+    layer that reads the pixels (the patch embedding, or a hybrid's root convolution), which
+    backpropagation does not compute: the images are not differentiated."""
+    if cfg.resnet_layers:
+        hw = (cfg.image_size[0] // 2, cfg.image_size[1] // 2)
+        pixel_layer = 2.0 * hw[0] * hw[1] * 7 * 7 * cfg.num_channels * cfg.resnet_width
+    else:
+        gh, gw = cfg.grid_size
+        pixel_layer = 2.0 * gh * gw * cfg.patch_size[0] * cfg.patch_size[1] * cfg.num_channels \
+            * cfg.hidden_size
+    return (vit_forward_flops(cfg, first_only).scaled(TRAIN_FACTOR)
+            + Flops(per_example=-pixel_layer))
 
 
 def text_encoder_forward_flops(cfg: TextConfig, length: int, first_only: bool = False) -> Flops:
