@@ -112,6 +112,8 @@ def test_pipeline_truncates_and_pads(shared_data):
     # longest-first: pieces differ in length by at most one when both were cut
     assert glue.truncate_longest_first([1] * 9, [2] * 4, 8) == ([1] * 4, [2] * 4)
     assert glue.truncate_longest_first([1] * 3, [2] * 9, 8) == ([1] * 3, [2] * 5)
+    # ties cut the second piece, as BERT's _truncate_seq_pair and HF's BertTokenizer do
+    assert glue.truncate_longest_first([1] * 14, [2] * 9, 13) == ([1] * 7, [2] * 6)
     stsb = glue.encode_examples([{"text": ("a", "b"), "label": 3.5, "idx": 0}],
                                 glue.load_tokenizer(vocab), 16, True, glue.ReadReport("x"))
     assert stsb[0]["label"].dtype == np.float32 and stsb[0]["label"] == 3.5
@@ -231,3 +233,18 @@ def test_config_checks_keys_and_every_split_it_will_read(glue_dir):
     with pytest.raises(ValueError, match=r"(?s)data.train_split='train': TFDS 'glue/sst2' "
                                          r"split 'train' could not be opened"):
         glue.validate_glue_data_config(cfg)
+
+
+def test_atomic_writes_get_the_usual_permissions(tmp_path):
+    """Files replaced atomically (config.json, eval JSON, submissions) are 0666 less the umask,
+    as a plain open() makes them: readable by others on shared storage (mkstemp gave 0600)."""
+    import os
+    from posjax.data.common import write_text_atomically
+    old = os.umask(0o022)
+    try:
+        write_text_atomically(tmp_path / "a.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").read_text() == "{}\n"
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]

@@ -42,3 +42,14 @@ def test_resume_purges_only_the_steps_after_the_checkpoint(tmp_path):
               if e.HasField("summary")]
     kept = [(s, v) for s, v in logged[:4] if s < starts[0]] + logged[4:]
     assert kept == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_a_line_cut_short_does_not_block_the_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "split": "train", "loss": 1.0}\n{"step": 2, "split": "tr')
+    assert metrics.read_metrics(path) == [{"step": 1, "split": "train", "loss": 1.0}]
+    resumed = metrics.MetricWriter(tmp_path, enabled=True, start_step=1)
+    resumed.write(2, "train", {"loss": 2.0})
+    resumed.close()
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
+    assert str(path) in caplog.text and "not JSON records" in caplog.text

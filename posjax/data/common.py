@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
 import grain
@@ -39,6 +41,20 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
         out.append(f"unknown key(s) {', '.join(f'data.{k}' for k in unknown)}: the data config "
                    f"has no such field; the valid keys are {', '.join(sorted(defaults))}")
     return out
+
+
+def write_text_atomically(path: pathlib.Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file in the same folder and ``os.replace``: a
+    crash leaves the old file or the new one, never a partial one. The file gets the usual
+    permissions (0666 less the umask), readable by others on shared storage."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def ceil_div(a: int, b: int) -> int:

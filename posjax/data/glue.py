@@ -47,9 +47,7 @@ import csv
 import dataclasses
 import logging
 import math
-import os
 import pathlib
-import tempfile
 from typing import Any, Sequence
 
 import grain
@@ -58,7 +56,7 @@ import numpy as np
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 pad_to_full_batches, stack_examples)
+                                 pad_to_full_batches, stack_examples, write_text_atomically)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01
@@ -321,10 +319,11 @@ def read_split(cfg: ml_collections.ConfigDict, split: str) -> tuple[list[Example
 
 
 def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
-    """Drop tokens from the end of the longer list (a on ties) until len(a)+len(b) <= budget."""
+    """Drop tokens from the end of the longer list (b on ties, as BERT's _truncate_seq_pair and
+    HF tokenizers do) until len(a)+len(b) <= budget."""
     a, b = list(a), list(b)
     while len(a) + len(b) > budget:
-        if len(a) >= len(b):
+        if len(a) > len(b):
             a.pop()
         else:
             b.pop()
@@ -456,10 +455,7 @@ def write_submission(task: GlueTask, split: str, idx: np.ndarray, predictions: n
     order = np.argsort(idx, kind="stable")
     text = prediction_strings(task, np.asarray(predictions)[order])
     lines = ["index\tprediction\n"] + [f"{int(i)}\t{t}\n" for i, t in zip(idx[order], text)]
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(lines))
     return path
 
 

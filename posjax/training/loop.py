@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import re
 import tempfile
@@ -36,6 +35,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from posjax.data.common import write_text_atomically
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
@@ -252,16 +252,8 @@ def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
-    """``data`` as indented JSON into ``path``, atomically (a temp file in the same folder, then
-    os.replace): a crash leaves the old file or the new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    """``data`` as indented JSON into ``path``, atomically (``write_text_atomically``)."""
+    write_text_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
 def saved_steps(workdir: pathlib.Path) -> list[int]:

@@ -160,11 +160,13 @@ class MetricWriter:
 
 def drop_after(path: pathlib.Path, step: int) -> None:
     """Remove records of steps > ``step`` (logged after the checkpoint a run resumes from, so
-    they are about to be recomputed). Rewrites the file atomically."""
+    they are about to be recomputed), and lines that are not JSON records (a write cut short by
+    a crash or a full disk). Rewrites the file atomically."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    records = _parse(path, lines)
+    keep = [ln for ln, r in zip(lines, records) if r is not None and r.get("step", 0) <= step]
     if len(keep) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(ln + "\n" for ln in keep))
@@ -172,10 +174,28 @@ def drop_after(path: pathlib.Path, step: int) -> None:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (lines that are not JSON records are skipped)."""
     path = pathlib.Path(path)
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    return [r for r in _parse(path, lines) if r is not None]
+
+
+def _parse(path: pathlib.Path, lines: list[str]) -> list[dict[str, Any] | None]:
+    """Each line as a JSON object, None (with one warning naming the file) where it is not."""
+    out: list[dict[str, Any] | None] = []
+    for ln in lines:
+        try:
+            record = json.loads(ln)
+        except ValueError:
+            record = None
+        out.append(record if isinstance(record, dict) else None)
+    bad = [i + 1 for i, r in enumerate(out) if r is None]
+    if bad:
+        logging.warning("%s: line(s) %s are not JSON records (a write cut short?); skipped",
+                        path, bad[:5])
+    return out
 
 
 class Progress:
