@@ -47,13 +47,13 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
     config = flags.FLAGS.config
-    loop.maybe_initialize_distributed(config)
-    try:
-        result = loop.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
-                               flags.FLAGS.step)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(result, indent=2))
+
+    def evaluate() -> dict:
+        loop.maybe_initialize_distributed(config)
+        return loop.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
+                             flags.FLAGS.step)
+
+    print(json.dumps(loop.run_command(evaluate), indent=2))
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
     config = flags.FLAGS.config
-    loop.maybe_initialize_distributed(config)
-    try:
-        result = loop.train(config, flags.FLAGS.workdir)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+
+    def train() -> loop.TrainResult:
+        loop.maybe_initialize_distributed(config)
+        return loop.train(config, flags.FLAGS.workdir)
+
+    result = loop.run_command(train)
     if result.preempted:
         print(f"preempted: checkpoint saved at step {result.step}; rerun to resume")
 

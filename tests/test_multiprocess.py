@@ -54,9 +54,11 @@ def _free_port() -> int:
 
 
 def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
-           sigterm_to: tuple[int, ...] = (), after_step: int = 0) -> list[tuple[str, int]]:
-    """Run train.py as 2 processes; with ``sigterm_to``, send SIGTERM to those processes once
-    process 0 reports ``after_step``. Returns [(output, exit status)] per process."""
+           sigterm_to: tuple[int, ...] = (), after_step: int = 0,
+           extra_flags: dict[int, list[str]] | None = None) -> list[tuple[str, int]]:
+    """Run train.py as 2 processes (``extra_flags``: more flags for some of them); with
+    ``sigterm_to``, send SIGTERM to those processes once process 0 reports ``after_step``.
+    Returns [(output, exit status)] per process."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -68,7 +70,8 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
             procs.append(subprocess.Popen(
                 [sys.executable, "train.py", "--config", "configs/vit_digits.py:tiny", *flags,
                  f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                 f"--config.distributed.process_id={i}", f"--workdir={workdir}"],
+                 f"--config.distributed.process_id={i}", f"--workdir={workdir}",
+                 *(extra_flags or {}).get(i, [])],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
     try:
         if sigterm_to:
@@ -164,3 +167,15 @@ def test_two_processes_equal_one_process(runs):
     for x, y in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1])):
         # Adam moves a parameter by ~lr·sign(g) when g ≈ 0, so allow a little more than 1e-5.
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=5e-4)
+
+
+def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
+    """Process 1 alone has a bad config: it prints the error and ends at once, without JAX's
+    shutdown barrier (which would hold it for minutes); process 0, waiting for it in a
+    collective, then fails too instead of hanging."""
+    start = time.monotonic()
+    (out0, code0), (out1, code1) = launch(tmp_path / "w", tmp_path, "fail",
+                                          extra_flags={1: ["--config.optimizer.b2=1.5"]})
+    assert code1 == 1 and "process 1: error: optimizer.b2=1.5 is not valid" in out1, out1
+    assert code0 == 1 and "process 0: " in out0, out0[-2000:]
+    assert time.monotonic() - start < 150

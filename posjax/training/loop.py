@@ -21,11 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import re
+import sys
 import tempfile
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable, TypeVar
 
 import flax.linen as nn
 import jax
@@ -45,6 +48,7 @@ from posjax.training import steps as steps_lib
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
+T = TypeVar("T")
 # Keys that may change between a run and its resumption: they change neither the math nor the
 # saved state. init_from only seeds a run that starts without a checkpoint. data.worker_count is
 # not one: Grain saves another input-iterator state with worker processes than without.
@@ -110,6 +114,29 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
     if d.process_id >= 0:
         kwargs["process_id"] = int(d.process_id)
     jax.distributed.initialize(**kwargs)
+
+
+def run_command(action: Callable[[], T]) -> T:
+    """``action()`` for train.py / eval.py: a ValueError (bad input) ends the program with
+    'error: …' and status 1. With several processes every failure ends this process at once
+    (``os._exit`` after printing): a normal exit would wait at JAX's shutdown barrier for the
+    other processes, which sit in a collective waiting for this one (minutes, then an abort).
+    Ending at once makes their collectives fail, so they end too."""
+    try:
+        return action()
+    except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
+        several = jax.process_count() > 1
+        if isinstance(e, ValueError):
+            message = f"error: {e}"
+        elif not several:
+            raise
+        else:
+            message = "".join(traceback.format_exception(e))
+        if not several:
+            sys.exit(message)
+        print(f"process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -565,12 +592,13 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 first = False
             if step % config.log_every_steps == 0 or step == num_steps:
                 _log_train(run, step, accumulator, progress, writer, step_flops, peak)
+            # Save (when due) before a periodic eval: a stop during the eval then loses nothing.
+            checkpointer.save(step, state, iterator)
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
                 result = run_evaluation(run, state.params, eval_step)
                 writer.write(step, "eval", result)
                 _print(run, f"eval at step {step}: {_format(result)}")
-            checkpointer.save(step, state, iterator)
             if checkpointer.reached_preemption(step) or step == stop_after:
                 if checkpointer.latest_step() != step:
                     checkpointer.save(step, state, iterator, force=True)
