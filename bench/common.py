@@ -106,6 +106,12 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def one_line_error(e: BaseException, limit: int = 500) -> str:
+    """'Type: first line of the message' of an exception, for the notes of a report."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:limit]
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if len(xs) else float("nan")
 

@@ -23,7 +23,7 @@ from typing import Sequence  # noqa: E402
 if __package__ in (None, ""):   # `python bench/run.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import parse_options  # noqa: E402
+from bench.common import one_line_error, parse_options  # noqa: E402
 from posjax.training import host_memory  # noqa: E402
 
 SUITES = ("throughput", "attention", "compile", "pipelines")
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        context)
         except Exception as e:   # e.g. out of memory: keep the other suites' results
             traceback.print_exc()
-            tables, entry["error"] = [], _one_line(e)
+            tables, entry["error"] = [], one_line_error(e)
             failed.append(name)
         entry.update(seconds=time.perf_counter() - t0, load_after=load_average(),
                      tables=[t.as_dict() for t in tables])
@@ -130,11 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
 
 
 def _torch_has_cuda() -> bool:

@@ -12,7 +12,7 @@ import traceback
 from typing import Any
 
 from bench.common import (Budget, Scale, Table, measure_peak_flops, median, median_ratio,
-                          ratio_range, timed)
+                          one_line_error, ratio_range, timed)
 from bench.workloads import HFTrainer, OursTrainer, Workload, throughput_workloads, train_flops
 
 TARGET_SPEEDUP = 1.3       # ours must train >= 1.3x faster than HF (CPU, fp32)
@@ -37,8 +37,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
             results.update(_measure_group(group, scale, group_budget))
         except Exception as e:   # e.g. out of memory: keep the other group's results
             traceback.print_exc()
-            failures.append(f"{', '.join(w.name for w in group)}: {type(e).__name__}: "
-                            + (str(e).strip().splitlines() or [""])[0][:300])
+            failures.append(f"{', '.join(w.name for w in group)}: {one_line_error(e)}")
         gc.collect()
         _free_torch_cache()
     context["train_examples_per_s"] = {

@@ -138,11 +138,8 @@ def _zoom_linear(x: jax.Array, axis: int, new: int) -> jax.Array:
         coords = np.arange(new) * (old - 1) / (new - 1)
     lo = np.clip(np.floor(coords).astype(np.int64), 0, old - 1)
     hi = np.clip(lo + 1, 0, old - 1)
-    w = (coords - lo).astype(np.float32)
-    shape = [1] * x.ndim
-    shape[axis] = new
-    w = jnp.asarray(w).reshape(shape)
-    return jnp.take(x, lo, axis=axis) * (1 - w) + jnp.take(x, hi, axis=axis) * w
+    w = coords - lo
+    return _weighted_taps(x, axis, [(lo, 1 - w), (hi, w)])
 
 
 def _keys_cubic(t: np.ndarray, a: float = -0.75) -> np.ndarray:
@@ -159,12 +156,17 @@ def _zoom_cubic(x: jax.Array, axis: int, new: int) -> jax.Array:
     old = x.shape[axis]
     src = (np.arange(new) + 0.5) * old / new - 0.5
     base = np.floor(src).astype(np.int64)
-    frac = src - base
+    return _weighted_taps(x, axis, [(np.clip(base + tap, 0, old - 1),
+                                     _keys_cubic(src - base - tap)) for tap in range(-1, 3)])
+
+
+def _weighted_taps(x: jax.Array, axis: int, taps: list[tuple[np.ndarray, np.ndarray]]
+                   ) -> jax.Array:
+    """Σ over taps of x[..., index, ...] · weight along ``axis`` (index, weight: (new,))."""
     shape = [1] * x.ndim
-    shape[axis] = new
+    shape[axis] = -1
     out = 0.0
-    for tap in range(-1, 3):
-        index = np.clip(base + tap, 0, old - 1)
-        w = jnp.asarray(_keys_cubic(frac - tap).astype(np.float32)).reshape(shape)
-        out = out + jnp.take(x, index, axis=axis) * w
+    for index, weight in taps:
+        out = out + jnp.take(x, index, axis=axis) * jnp.asarray(
+            weight.astype(np.float32)).reshape(shape)
     return out

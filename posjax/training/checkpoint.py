@@ -39,9 +39,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
-
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
         return self.manager.save(step, args=ocp.args.Composite(

@@ -114,7 +114,7 @@ def resnet_stem_flops(cfg: ViTConfig) -> float:
         return 0.0
     conv = lambda hw, k, cin, cout: 2.0 * hw[0] * hw[1] * k * k * cin * cout
     hw = (cfg.image_size[0] // 2, cfg.image_size[1] // 2)
-    total = conv(hw, 7, cfg.num_channels, cfg.resnet_width)
+    total = pixel_layer_flops(cfg)
     hw = ((hw[0] + 1) // 2, (hw[1] + 1) // 2)
     cin = cfg.resnet_width
     for stage, blocks in enumerate(cfg.resnet_layers):
@@ -134,12 +134,7 @@ def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
     pooling the last layer computes [CLS] alone, as the model runs (``first_only=False``:
     every row, as implementations without that shortcut do)."""
     h = cfg.hidden_size
-    gh, gw = cfg.grid_size
-    patches = gh * gw
-    in_channels = cfg.resnet_width * 4 * 2 ** (len(cfg.resnet_layers) - 1) if cfg.resnet_layers \
-        else cfg.num_channels
-    per_image = resnet_stem_flops(cfg)
-    per_image += 2.0 * patches * cfg.patch_size[0] * cfg.patch_size[1] * in_channels * h
+    per_image = resnet_stem_flops(cfg) + patch_embedding_flops(cfg)
     t = cfg.num_tokens
     if cfg.pooling == "map":
         per_image += (2.0 * h * h * 2 + 2.0 * t * 2 * h * h + 2.0 * 2 * t * h
@@ -154,19 +149,30 @@ def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
         first_only=first_only and cfg.pooling == "token" and can_run_first_only(cfg))
 
 
+def patch_embedding_flops(cfg: ViTConfig) -> float:
+    """The patch embedding per image: a p×p convolution of stride p from the pixels (or from
+    a hybrid stem's features) to the width."""
+    gh, gw = cfg.grid_size
+    in_channels = cfg.resnet_width * 4 * 2 ** (len(cfg.resnet_layers) - 1) if cfg.resnet_layers \
+        else cfg.num_channels
+    return 2.0 * gh * gw * cfg.patch_size[0] * cfg.patch_size[1] * in_channels * cfg.hidden_size
+
+
+def pixel_layer_flops(cfg: ViTConfig) -> float:
+    """The layer that reads the pixels, per image: a hybrid's root convolution (7×7, stride 2,
+    to ``resnet_width``), else the patch embedding."""
+    if not cfg.resnet_layers:
+        return patch_embedding_flops(cfg)
+    return 2.0 * (cfg.image_size[0] // 2) * (cfg.image_size[1] // 2) * 7 * 7 \
+        * cfg.num_channels * cfg.resnet_width
+
+
 def vit_train_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
     """Training FLOPs: 3 × forward (forward, dx and dW of every product), less the dx of the
-    layer that reads the pixels (the patch embedding, or a hybrid's root convolution), which
-    backpropagation does not compute: the images are not differentiated."""
-    if cfg.resnet_layers:
-        hw = (cfg.image_size[0] // 2, cfg.image_size[1] // 2)
-        pixel_layer = 2.0 * hw[0] * hw[1] * 7 * 7 * cfg.num_channels * cfg.resnet_width
-    else:
-        gh, gw = cfg.grid_size
-        pixel_layer = 2.0 * gh * gw * cfg.patch_size[0] * cfg.patch_size[1] * cfg.num_channels \
-            * cfg.hidden_size
+    layer that reads the pixels, which backpropagation does not compute: the images are not
+    differentiated."""
     return (vit_forward_flops(cfg, first_only).scaled(TRAIN_FACTOR)
-            + Flops(per_example=-pixel_layer))
+            + Flops(per_example=-pixel_layer_flops(cfg)))
 
 
 def text_encoder_forward_flops(cfg: TextConfig, length: int, first_only: bool = False) -> Flops:

@@ -164,8 +164,7 @@ def drop_after(path: pathlib.Path, step: int) -> None:
     a crash or a full disk). Rewrites the file atomically."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    records = _parse(path, lines)
+    lines, records = _read_records(path)
     keep = [ln for ln, r in zip(lines, records) if r is not None and r.get("step", 0) <= step]
     if len(keep) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
@@ -178,12 +177,13 @@ def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     path = pathlib.Path(path)
     if not path.exists():
         return []
+    return [r for r in _read_records(path)[1] if r is not None]
+
+
+def _read_records(path: pathlib.Path) -> tuple[list[str], list[dict[str, Any] | None]]:
+    """(non-empty lines, each as a JSON object or None, with one warning naming the file,
+    where it is not one)."""
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    return [r for r in _parse(path, lines) if r is not None]
-
-
-def _parse(path: pathlib.Path, lines: list[str]) -> list[dict[str, Any] | None]:
-    """Each line as a JSON object, None (with one warning naming the file) where it is not."""
     out: list[dict[str, Any] | None] = []
     for ln in lines:
         try:
@@ -195,7 +195,7 @@ def _parse(path: pathlib.Path, lines: list[str]) -> list[dict[str, Any] | None]:
     if bad:
         logging.warning("%s: line(s) %s are not JSON records (a write cut short?); skipped",
                         path, bad[:5])
-    return out
+    return lines, out
 
 
 class Progress:
