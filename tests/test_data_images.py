@@ -1,7 +1,13 @@
 """Image input: local sources, TFDS array_record round trip, preprocessing math, pipeline
 determinism, sharding, eval padding, iterator checkpointing and config errors."""
 import gzip
+import multiprocessing
+import os
+import pathlib
+import signal
+import subprocess
 import sys
+import time
 
 import grain
 import numpy as np
@@ -11,6 +17,8 @@ from PIL import Image
 
 from posjax.data import default_data_config, make_image_pipeline, validate_data_config
 from posjax.data import images, sources
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def take(pipe, n):
@@ -241,18 +249,65 @@ def test_augmented_batches_depend_only_on_the_seed():
     assert not same_batches(first, take(make(6), 3))
 
 
-def test_worker_processes_give_the_same_batches():
+def test_worker_processes_give_the_same_batches_and_outlive_sigterm():
+    """Workers ignore a SIGTERM meant for the process group (the main process saves first and
+    still needs batches): the stream goes on unchanged after every worker got one."""
     cfg = digits_augmented()
     shard = {"shard_index": 1, "shard_count": 2}
     want = take(make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True,
-                                    **shard), 4)
+                                    **shard), 12)
     cfg.worker_count = 2
+    before = set(multiprocessing.active_children())
     pipe = make_image_pipeline(cfg, split="train", batch_size=16, seed=2, train=True, **shard)
     try:
-        got = [{k: np.array(v) for k, v in b.items()} for b in take(pipe, 4)]
+        got = [{k: np.array(v) for k, v in b.items()} for b in take(pipe, 2)]
+        workers = [p for p in multiprocessing.active_children() if p not in before]
+        assert len(workers) == 2
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert all(worker.is_alive() for worker in workers)
+        got += [{k: np.array(v) for k, v in b.items()} for b in take(pipe, 10)]
     finally:
         pipe.iterator.close()
     assert same_batches(want, got)
+    assert not any(worker.is_alive() for worker in workers)   # close() stopped them
+
+
+ORPHAN_SCRIPT = """
+import multiprocessing, os, signal, sys
+from posjax.data import default_data_config, make_image_pipeline
+if __name__ == "__main__":
+    cfg = default_data_config("digits")
+    cfg.worker_count = 2
+    pipe = make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
+    next(pipe.iterator)
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_exit_when_the_main_process_is_killed(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 15
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(p) for p in pids), "workers outlived their main process"
 
 
 def test_eval_is_one_padded_pass_and_shards_are_disjoint(tmp_path):

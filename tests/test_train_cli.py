@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/vit_digits.py:tiny"]
@@ -88,3 +89,35 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     assert refused.stderr.startswith(f"error: the config differs from the run's "
                                      f"{workdir / 'config.json'} in keys that define the model")
     assert "\n  model.hidden_size: 16 -> 32\n" in refused.stderr
+
+
+def _group_members(pgid: int) -> list[str]:
+    """Live (not zombie) processes of process group ``pgid``, as 'pid command' lines."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True,
+                         text=True).stdout
+    return [ln for ln in out.splitlines() if ln.split()[1][0] != "Z"]
+
+
+def test_sigterm_to_the_process_group_with_input_workers_saves(tmp_path):
+    """``timeout`` and Slurm signal every process of the job: the Grain workers must keep
+    serving until the main process has saved, then end with it."""
+    workdir = tmp_path / "run"
+    args = ["train.py", *TINY, "--config.num_steps=400", "--config.log_every_steps=10",
+            "--config.data.worker_count=2", "--config.checkpoint.every_steps=100000",
+            f"--workdir={workdir}"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 10/400"):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "preempted: checkpoint saved at step" in out, out[-3000:]
+    stopped = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+    time.sleep(1.0)
+    assert _group_members(proc.pid) == []

@@ -1,15 +1,70 @@
 """Pieces every input pipeline (images, MLM text, GLUE) shares."""
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import pathlib
-from typing import Any, Callable, Mapping, Sequence
+import signal
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
 
 Example = dict[str, np.ndarray]
+
+
+def input_worker_init(worker_index: int, worker_count: int) -> None:
+    """Runs first in every Grain worker process: the worker is the main process's helper, so
+    the main process alone decides when it ends.
+
+    - SIGTERM and SIGINT sent to the whole process group (``timeout``, Slurm, Ctrl-C) are
+      ignored while the main process lives: it saves a checkpoint first, which may need a few
+      more batches, and then closes its pipelines, which stops the workers.
+    - A worker whose main process is gone (killed, or ended by ``os._exit``) exits within a
+      second instead of lingering.
+    """
+    del worker_index, worker_count
+    main_pid = os.getppid()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if os.getppid() != main_pid:
+            os._exit(0)
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == main_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=exit_when_orphaned, name="exit-when-orphaned", daemon=True).start()
+
+
+_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+_CLOSE_REGISTERED = False
+
+
+def close_worker_iterators_at_exit(iterator: Iterator) -> Iterator:
+    """Register ``iterator`` (one that has worker processes) to be closed at interpreter exit.
+
+    Workers ignore SIGTERM (``input_worker_init``), so multiprocessing's own exit handler,
+    which terminates leftover children by SIGTERM and joins them, would wait forever; this
+    handler is registered later and so runs first, stopping them through Grain's ``close``."""
+    global _CLOSE_REGISTERED
+    if not _CLOSE_REGISTERED:
+        atexit.register(_close_worker_iterators)
+        _CLOSE_REGISTERED = True
+    _WORKER_ITERATORS.add(iterator)
+    return iterator
+
+
+def _close_worker_iterators() -> None:
+    for iterator in list(_WORKER_ITERATORS):
+        iterator.close()
 
 
 def check_pipeline_call(split: str, batch_size: int, seed: int, shard_index: int,

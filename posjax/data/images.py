@@ -58,7 +58,9 @@ Resampling convention: output pixel centre ``i + 1/2`` of S maps to source coord
 
 Worker processes (``worker_count > 0``) are spawned, so the calling script needs an
 ``if __name__ == '__main__':`` guard (absl.app.run scripts have one); call
-``pipe.iterator.close()`` to stop them when done.
+``pipe.iterator.close()`` to stop them when done (at the latest they are stopped at exit).
+They ignore SIGTERM and SIGINT while the main process lives, which decides when they end
+(``common.input_worker_init``).
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ import numpy as np
 from absl import flags
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
+from posjax.data.common import (check_pipeline_call, close_worker_iterators_at_exit,
+                                 eval_batches_per_shard, input_worker_init, key_problems,
                                  pad_to_full_batches)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
@@ -399,7 +402,11 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     if cfg.worker_count > 0:
         if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags when it spawns
             flags.FLAGS.mark_as_parsed()  # workers; outside absl.app.run use their defaults
-        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-    return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),
+        iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
+                                      worker_init_fn=input_worker_init)
+    iterator = iter(iter_ds)
+    if cfg.worker_count > 0:
+        close_worker_iterators_at_exit(iterator)
+    return ImagePipeline(iterator=iterator, dataset=iter_ds, num_examples=len(selected),
                          num_classes=source.num_classes, image_shape=(size, size, channels),
                          num_batches=num_batches)
