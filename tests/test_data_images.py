@@ -274,17 +274,31 @@ def test_worker_processes_give_the_same_batches_and_outlive_sigterm():
     assert not any(worker.is_alive() for worker in workers)   # close() stopped them
 
 
-ORPHAN_SCRIPT = """
+WORKERS_SCRIPT = """
 import multiprocessing, os, signal, sys
 from posjax.data import default_data_config, make_image_pipeline
 if __name__ == "__main__":
     cfg = default_data_config("digits")
     cfg.worker_count = 2
     pipe = make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
-    next(pipe.iterator)
+    fresh_pass = iter(pipe.dataset)   # two more workers
+    next(pipe.iterator), next(fresh_pass)
     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    # else: exit with both iterators open
 """
+
+
+def _run_workers_script(tmp_path, how):
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), how], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 4, out.stderr[-2000:]
+    return out, pids
 
 
 def _running(pid):
@@ -296,18 +310,19 @@ def _running(pid):
 
 
 def test_workers_exit_when_the_main_process_is_killed(tmp_path):
-    script = tmp_path / "orphan.py"
-    script.write_text(ORPHAN_SCRIPT)
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    out, pids = _run_workers_script(tmp_path, "kill")
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 2
     deadline = time.monotonic() + 15
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(p) for p in pids), "workers outlived their main process"
+
+
+def test_open_iterators_do_not_hold_up_the_exit(tmp_path):
+    """Workers ignore SIGTERM, which multiprocessing's exit handler would wait on forever."""
+    out, pids = _run_workers_script(tmp_path, "exit")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not any(_running(p) for p in pids)
 
 
 def test_eval_is_one_padded_pass_and_shards_are_disjoint(tmp_path):

@@ -1,15 +1,13 @@
 """Pieces every input pipeline (images, MLM text, GLUE) shares."""
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import pathlib
 import signal
 import threading
 import time
-import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grain
 import numpy as np
@@ -23,7 +21,7 @@ def input_worker_init(worker_index: int, worker_count: int) -> None:
 
     - SIGTERM and SIGINT sent to the whole process group (``timeout``, Slurm, Ctrl-C) are
       ignored while the main process lives: it saves a checkpoint first, which may need a few
-      more batches, and then closes its pipelines, which stops the workers.
+      more batches, and then closes its pipelines or exits; Grain stops the workers either way.
     - A worker whose main process is gone (killed, or ended by ``os._exit``) exits within a
       second instead of lingering.
     """
@@ -42,29 +40,6 @@ def input_worker_init(worker_index: int, worker_count: int) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     threading.Thread(target=exit_when_orphaned, name="exit-when-orphaned", daemon=True).start()
-
-
-_WORKER_ITERATORS: weakref.WeakSet = weakref.WeakSet()
-_CLOSE_REGISTERED = False
-
-
-def close_worker_iterators_at_exit(iterator: Iterator) -> Iterator:
-    """Register ``iterator`` (one that has worker processes) to be closed at interpreter exit.
-
-    Workers ignore SIGTERM (``input_worker_init``), so multiprocessing's own exit handler,
-    which terminates leftover children by SIGTERM and joins them, would wait forever; this
-    handler is registered later and so runs first, stopping them through Grain's ``close``."""
-    global _CLOSE_REGISTERED
-    if not _CLOSE_REGISTERED:
-        atexit.register(_close_worker_iterators)
-        _CLOSE_REGISTERED = True
-    _WORKER_ITERATORS.add(iterator)
-    return iterator
-
-
-def _close_worker_iterators() -> None:
-    for iterator in list(_WORKER_ITERATORS):
-        iterator.close()
 
 
 def check_pipeline_call(split: str, batch_size: int, seed: int, shard_index: int,

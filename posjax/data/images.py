@@ -58,7 +58,7 @@ Resampling convention: output pixel centre ``i + 1/2`` of S maps to source coord
 
 Worker processes (``worker_count > 0``) are spawned, so the calling script needs an
 ``if __name__ == '__main__':`` guard (absl.app.run scripts have one); call
-``pipe.iterator.close()`` to stop them when done (at the latest they are stopped at exit).
+``pipe.iterator.close()`` to stop them when done (Grain stops them at exit at the latest).
 They ignore SIGTERM and SIGINT while the main process lives, which decides when they end
 (``common.input_worker_init``).
 """
@@ -76,9 +76,8 @@ import numpy as np
 from absl import flags
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, close_worker_iterators_at_exit,
-                                 eval_batches_per_shard, input_worker_init, key_problems,
-                                 pad_to_full_batches)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, input_worker_init,
+                                 key_problems, pad_to_full_batches)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -404,9 +403,6 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
             flags.FLAGS.mark_as_parsed()  # workers; outside absl.app.run use their defaults
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
                                       worker_init_fn=input_worker_init)
-    iterator = iter(iter_ds)
-    if cfg.worker_count > 0:
-        close_worker_iterators_at_exit(iterator)
-    return ImagePipeline(iterator=iterator, dataset=iter_ds, num_examples=len(selected),
+    return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),
                          num_classes=source.num_classes, image_shape=(size, size, channels),
                          num_batches=num_batches)
