@@ -4,6 +4,7 @@ eval from the checkpoint train.py wrote."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -121,3 +122,26 @@ def test_sigterm_to_the_process_group_with_input_workers_saves(tmp_path):
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
     time.sleep(1.0)
     assert _group_members(proc.pid) == []
+
+
+def test_divergence_stops_before_saving_a_non_finite_state(tmp_path):
+    """lr 1e30 makes the loss NaN from step 3 on: the run ends with one error and keeps only
+    the checkpoints saved before, whether the check comes at a save or at a log."""
+    at_save = _run("train.py", *TINY, "--config.num_steps=30", "--config.log_every_steps=10",
+                   "--config.checkpoint.every_steps=2", "--config.optimizer.learning_rate=1e30",
+                   f"--workdir={tmp_path / 'a'}")
+    assert at_save.returncode == 1 and "Traceback" not in at_save.stderr
+    assert at_save.stderr.strip().splitlines()[-1].startswith(
+        "error: training diverged by step 4 (loss = nan, grad_norm = nan); it was stopped before "
+        "saving that state: the checkpoints up to step 2 are intact.")
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["2"]
+
+    at_log = _run("train.py", *TINY, "--config.num_steps=30", "--config.log_every_steps=1",
+                  "--config.checkpoint.every_steps=100", "--config.optimizer.learning_rate=1e30",
+                  f"--workdir={tmp_path / 'b'}")
+    assert at_log.returncode == 1 and "Traceback" not in at_log.stderr
+    assert "error: training diverged by step 3 (loss = nan, grad_norm = nan)" in at_log.stderr
+    assert "no checkpoint was saved" in at_log.stderr
+    assert not list((tmp_path / "b" / "checkpoints").iterdir())
+    logged = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3] and math.isnan(logged[-1]["loss"])

@@ -39,6 +39,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` without ``force`` would save."""
+        return self.manager.should_save(step)
+
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
         return self.manager.save(step, args=ocp.args.Composite(

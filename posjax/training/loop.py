@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -117,8 +118,8 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
 
 
 def run_command(action: Callable[[], T]) -> T:
-    """``action()`` for train.py / eval.py: a ValueError (bad input) ends the program with
-    'error: …' and status 1. With several processes every failure ends this process at once
+    """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
+    program with 'error: …' and status 1. With several processes every failure ends this process at once
     (``os._exit`` after printing): a normal exit would wait at JAX's shutdown barrier for the
     other processes, which sit in a collective waiting for this one (minutes, then an abort).
     Ending at once makes their collectives fail, so they end too."""
@@ -126,7 +127,7 @@ def run_command(action: Callable[[], T]) -> T:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
         several = jax.process_count() > 1
-        if isinstance(e, ValueError):
+        if isinstance(e, (ValueError, Diverged)):
             message = f"error: {e}"
         elif not several:
             raise
@@ -591,8 +592,11 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 progress.restart(step)
                 first = False
             if step % config.log_every_steps == 0 or step == num_steps:
-                _log_train(run, step, accumulator, progress, writer, step_flops, peak)
+                scalars = _log_train(run, step, accumulator, progress, writer, step_flops, peak)
+                _stop_if_diverged(step, scalars, checkpointer, writer)
             # Save (when due) before a periodic eval: a stop during the eval then loses nothing.
+            if checkpointer.due(step):
+                _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
             checkpointer.save(step, state, iterator)
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
@@ -601,6 +605,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
                 if checkpointer.latest_step() != step:
+                    _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
                     checkpointer.save(step, state, iterator, force=True)
                 checkpointer.wait()
                 preempted = True
@@ -610,6 +615,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             writer.close()
             return TrainResult(step, True, {})
         if checkpointer.latest_step() != step:
+            _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
             checkpointer.save(step, state, iterator, force=True)
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
@@ -624,9 +630,33 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     return TrainResult(step, False, result)
 
 
+class Diverged(RuntimeError):
+    """The training loss or gradient norm became NaN or infinite."""
+
+
+def _stop_if_diverged(step: int, scalars: dict[str, float], checkpointer: ckpt_lib.Checkpointer,
+                      writer: metrics_lib.MetricWriter) -> None:
+    """Raise ``Diverged`` if the mean loss or gradient norm of the steps in ``scalars`` is not
+    finite. Called at every log and before every save, so a diverged state is never saved (and
+    never rotates good checkpoints out)."""
+    bad = [f"{k} = {scalars[k]}" for k in ("loss", "grad_norm")
+           if k in scalars and not math.isfinite(scalars[k])]
+    if not bad:
+        return
+    writer.close()
+    checkpointer.wait()
+    last = checkpointer.latest_step()
+    kept = (f"the checkpoints up to step {last} are intact" if last is not None
+            else "no checkpoint was saved")
+    raise Diverged(f"training diverged by step {step} ({', '.join(bad)}); it was stopped before "
+                   f"saving that state: {kept}. Lower optimizer.learning_rate, raise "
+                   "optimizer.warmup_steps or set optimizer.grad_clip_norm, and start again in a "
+                   "new workdir (init_from can start it from a checkpoint)")
+
+
 def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
                progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
-               step_flops: float, peak: metrics_lib.PeakFlops) -> None:
+               step_flops: float, peak: metrics_lib.PeakFlops) -> dict[str, float]:
     scalars = accumulator.result()
     steps_per_s, _ = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size
@@ -639,6 +669,7 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
         })
     writer.write(step, "train", scalars)
     _print(run, progress.line(step, scalars, steps_per_s))
+    return scalars
 
 
 def _format(result: dict[str, float]) -> str:

@@ -114,12 +114,17 @@ class MetricAccumulator:
             self._sums[name] = pair if old is None else (old[0] + pair[0], old[1] + pair[1])
         self._count += 1
 
-    def result(self) -> dict[str, float]:
-        """{name: Σsum / Σweight} (host floats) and reset."""
+    def peek(self) -> dict[str, float]:
+        """{name: Σsum / Σweight} (host floats) of the steps added since the last reset."""
         fetched = jax.device_get(self._sums)
-        self._sums, self._count = {}, 0
         return {k: float(s) / float(w) if float(w) else float("nan")
                 for k, (s, w) in fetched.items()}
+
+    def result(self) -> dict[str, float]:
+        """``peek()`` and reset."""
+        out = self.peek()
+        self._sums, self._count = {}, 0
+        return out
 
 
 class MetricWriter:
