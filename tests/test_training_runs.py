@@ -188,3 +188,42 @@ def _get(tree, path):
     for k in path:
         tree = tree[k]
     return np.asarray(tree)
+
+
+def _copy_run(source, tmp_path):
+    import shutil
+    workdir = tmp_path / "copy"
+    shutil.copytree(source, workdir)
+    return workdir
+
+
+def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path):
+    """Data files cut short (a full disk, an interrupted copy): one ValueError naming the step
+    directory, the reader's reason and the older step to fall back on, for a resume and for
+    eval."""
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    steps = loop.saved_steps(workdir)
+    assert len(steps) >= 2
+    for data in (workdir / "checkpoints" / str(steps[-1]) / "state").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])
+    pattern = (rf"checkpoint {workdir / 'checkpoints' / str(steps[-1])} cannot be restored "
+               rf"\(.*(OUT_OF_RANGE|DATA_LOSS).*\)\. If it is damaged \(a full disk, an "
+               rf"interrupted copy\), move it out of {workdir / 'checkpoints'} to use step "
+               rf"{steps[-2]} instead")
+    with pytest.raises(ValueError, match=pattern):
+        loop.train(config, workdir)
+    with pytest.raises(ValueError, match=pattern):
+        loop.evaluate(config, workdir)
+
+
+def test_a_resume_with_another_process_count_is_refused_up_front(runs, tmp_path):
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    last = workdir / "checkpoints" / str(loop.saved_steps(workdir)[-1])
+    (last / "data_iter" / "process_0-of-1.json").rename(last / "data_iter" / "process_0-of-2.json")
+    (last / "data_iter" / "process_1-of-2.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"checkpoint {last} holds input-iterator states for 2 "
+                                         r"processes, not the current 1: resume with the same "
+                                         r"process count"):
+        loop.train(config, workdir)

@@ -55,15 +55,24 @@ class Checkpointer:
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iter is not None:
             items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
+        path = self.directory / str(step)
+        if data_iter is not None:
+            counts = {f.stem.rsplit("-of-", 1)[-1]
+                      for f in (path / "data_iter").glob("process_*-of-*.json")}
+            if counts and str(jax.process_count()) not in counts:
+                raise ValueError(
+                    f"checkpoint {path} holds input-iterator states for {', '.join(counts)} "
+                    f"processes, not the current {jax.process_count()}: resume with the same "
+                    "process count")
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except (FileNotFoundError, ValueError) as e:
-            if data_iter is not None and "process_" in str(e):
-                raise ValueError(
-                    f"checkpoint {self.directory / str(step)} holds input-iterator states for "
-                    f"another number of processes than the current {jax.process_count()}: "
-                    "resume with the same process count") from e
-            raise
+        except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
+            others = [s for s in self.manager.all_steps() if s != step]
+            fallback = (f"to use step {max(others)} instead" if others else "to start over")
+            raise ValueError(
+                f"checkpoint {path} cannot be restored ({_root_cause(e)}). If it is damaged "
+                f"(a full disk, an interrupted copy), move it out of {self.directory} "
+                f"{fallback}") from e
         return restored["state"]
 
     def wait(self) -> None:
@@ -96,3 +105,11 @@ class Checkpointer:
     def reached_preemption(self, step: int) -> bool:
         """True once every process should save ``step`` and stop."""
         return self._preempted or self.manager.reached_preemption(step)
+
+
+def _root_cause(error: BaseException) -> str:
+    """First line of the innermost exception in ``error``'s chain, at most 300 characters."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
