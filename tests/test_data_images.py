@@ -309,20 +309,24 @@ def _running(pid):
         return False
 
 
+def _all_end(pids, within):
+    deadline = time.monotonic() + within
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(_running(p) for p in pids)
+
+
 def test_workers_exit_when_the_main_process_is_killed(tmp_path):
     out, pids = _run_workers_script(tmp_path, "kill")
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    deadline = time.monotonic() + 15
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_running(p) for p in pids), "workers outlived their main process"
+    assert _all_end(pids, within=15), "workers outlived their main process"
 
 
 def test_open_iterators_do_not_hold_up_the_exit(tmp_path):
     """Workers ignore SIGTERM, which multiprocessing's exit handler would wait on forever."""
     out, pids = _run_workers_script(tmp_path, "exit")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert not any(_running(p) for p in pids)
+    assert _all_end(pids, within=15)
 
 
 def test_eval_is_one_padded_pass_and_shards_are_disjoint(tmp_path):

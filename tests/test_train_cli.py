@@ -120,7 +120,9 @@ def test_sigterm_to_the_process_group_with_input_workers_saves(tmp_path):
     assert "preempted: checkpoint saved at step" in out, out[-3000:]
     stopped = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 20    # the workers and the resource tracker end after it
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _group_members(proc.pid) == []
 
 
