@@ -275,7 +275,7 @@ def test_worker_processes_give_the_same_batches_and_outlive_sigterm():
 
 
 WORKERS_SCRIPT = """
-import multiprocessing, os, signal, sys
+import multiprocessing, os, signal, sys, time
 from posjax.data import default_data_config, make_image_pipeline
 if __name__ == "__main__":
     cfg = default_data_config("digits")
@@ -283,6 +283,10 @@ if __name__ == "__main__":
     pipe = make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
     fresh_pass = iter(pipe.dataset)   # two more workers
     next(pipe.iterator), next(fresh_pass)
+    for _ in range(600):   # Grain starts the workers from its own threads
+        if len(multiprocessing.active_children()) == 4:
+            break
+        time.sleep(0.05)
     print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

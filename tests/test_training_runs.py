@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import jax
 import numpy as np
@@ -132,7 +133,6 @@ def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
     """A checkpoint that does not fit the config (no config.json to compare it with: another
     optimizer state) raises from Orbax's restore; the checkpointer is closed all the same."""
-    import shutil
     config, straight, _, _ = runs
     workdir = tmp_path / "copy"
     shutil.copytree(straight / "checkpoints", workdir / "checkpoints")
@@ -191,7 +191,6 @@ def _get(tree, path):
 
 
 def _copy_run(source, tmp_path):
-    import shutil
     workdir = tmp_path / "copy"
     shutil.copytree(source, workdir)
     return workdir

@@ -416,6 +416,20 @@ def test_metric_accumulator_weights():
     assert acc.result() == {"loss": 2.0, "grad_norm": 2.0}
 
 
+def test_divergence_checks_sums_and_every_state_value():
+    acc = metrics.MetricAccumulator()
+    acc.add({"loss": (jnp.float32(0.0), jnp.float32(0.0)), "grad_norm": jnp.float32(0.0)})
+    assert acc.all_finite(loop.DIVERGENCE_METRICS)   # a batch without weight is no divergence
+    acc.add({"loss": (jnp.float32(jnp.nan), jnp.float32(1.0)), "grad_norm": jnp.float32(1.0)})
+    assert not acc.all_finite(loop.DIVERGENCE_METRICS)
+    assert acc.all_finite(("grad_norm",))
+    state = state_lib.TrainState(step=jnp.int32(3), params={"w": jnp.ones((2, 2))},
+                                 opt_state=(jnp.zeros(2), {"nu": jnp.ones(3)}))
+    assert state_lib.all_finite(state)
+    assert not state_lib.all_finite(state.replace(opt_state=(jnp.zeros(2),
+                                                             {"nu": jnp.array([1, jnp.inf, 1.])})))
+
+
 def test_jsonl_drops_records_after_the_resume_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"

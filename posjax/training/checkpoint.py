@@ -109,7 +109,10 @@ class Checkpointer:
 
 def _root_cause(error: BaseException) -> str:
     """First line of the innermost exception in ``error``'s chain, at most 300 characters."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
+    while True:
+        inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        if inner is None:
+            break
+        error = inner
     line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return line if len(line) <= 300 else line[:297] + "..."

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import pathlib
 import re
@@ -119,10 +118,10 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
 
 def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
-    program with 'error: …' and status 1. With several processes every failure ends this process at once
-    (``os._exit`` after printing): a normal exit would wait at JAX's shutdown barrier for the
-    other processes, which sit in a collective waiting for this one (minutes, then an abort).
-    Ending at once makes their collectives fail, so they end too."""
+    program with 'error: …' and status 1. With several processes every failure ends this
+    process at once (``os._exit`` after printing): a normal exit would wait at JAX's shutdown
+    barrier for the other processes, which sit in a collective waiting for this one (minutes,
+    then an abort). Ending at once makes their collectives fail, so they end too."""
     try:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
@@ -592,11 +591,13 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 progress.restart(step)
                 first = False
             if step % config.log_every_steps == 0 or step == num_steps:
-                scalars = _log_train(run, step, accumulator, progress, writer, step_flops, peak)
-                _stop_if_diverged(step, scalars, checkpointer, writer)
+                finite = accumulator.all_finite(DIVERGENCE_METRICS)
+                _log_train(run, step, accumulator, progress, writer, step_flops, peak)
+                if not finite:
+                    _diverged(step, "the loss or gradient norm", checkpointer, writer)
             # Save (when due) before a periodic eval: a stop during the eval then loses nothing.
             if checkpointer.due(step):
-                _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
+                _stop_if_diverged(step, accumulator, state, checkpointer, writer)
             checkpointer.save(step, state, iterator)
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
@@ -605,7 +606,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
                 if checkpointer.latest_step() != step:
-                    _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
+                    _stop_if_diverged(step, accumulator, state, checkpointer, writer)
                     checkpointer.save(step, state, iterator, force=True)
                 checkpointer.wait()
                 preempted = True
@@ -615,7 +616,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             writer.close()
             return TrainResult(step, True, {})
         if checkpointer.latest_step() != step:
-            _stop_if_diverged(step, accumulator.peek(), checkpointer, writer)
+            _stop_if_diverged(step, accumulator, state, checkpointer, writer)
             checkpointer.save(step, state, iterator, force=True)
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
@@ -631,32 +632,42 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
 
 
 class Diverged(RuntimeError):
-    """The training loss or gradient norm became NaN or infinite."""
+    """The training loss, gradient norm or weights became NaN or infinite."""
 
 
-def _stop_if_diverged(step: int, scalars: dict[str, float], checkpointer: ckpt_lib.Checkpointer,
+DIVERGENCE_METRICS = ("loss", "grad_norm")
+
+
+def _stop_if_diverged(step: int, accumulator: metrics_lib.MetricAccumulator,
+                      state: state_lib.TrainState, checkpointer: ckpt_lib.Checkpointer,
                       writer: metrics_lib.MetricWriter) -> None:
-    """Raise ``Diverged`` if the mean loss or gradient norm of the steps in ``scalars`` is not
-    finite. Called at every log and before every save, so a diverged state is never saved (and
-    never rotates good checkpoints out)."""
-    bad = [f"{k} = {scalars[k]}" for k in ("loss", "grad_norm")
-           if k in scalars and not math.isfinite(scalars[k])]
-    if not bad:
-        return
+    """Before a save: raise ``Diverged`` unless the loss and gradient-norm sums of the steps
+    since the last log and every value of ``state`` (the weights after this step's update,
+    optimizer moments) are finite, so a NaN or inf is never saved and never rotates a good
+    checkpoint out. The logs check the sums too (``_train``)."""
+    if not accumulator.all_finite(DIVERGENCE_METRICS):
+        _diverged(step, "the loss or gradient norm", checkpointer, writer)
+    if not state_lib.all_finite(state):
+        _diverged(step, "the updated weights or optimizer state", checkpointer, writer)
+
+
+def _diverged(step: int, what: str, checkpointer: ckpt_lib.Checkpointer,
+              writer: metrics_lib.MetricWriter) -> None:
     writer.close()
     checkpointer.wait()
     last = checkpointer.latest_step()
-    kept = (f"the checkpoints up to step {last} are intact" if last is not None
+    kept = (f"the checkpoints saved before hold finite values (latest: step {last}, which may "
+            "already be on the way to diverging)" if last is not None
             else "no checkpoint was saved")
-    raise Diverged(f"training diverged by step {step} ({', '.join(bad)}); it was stopped before "
-                   f"saving that state: {kept}. Lower optimizer.learning_rate, raise "
-                   "optimizer.warmup_steps or set optimizer.grad_clip_norm, and start again in a "
-                   "new workdir (init_from can start it from a checkpoint)")
+    raise Diverged(f"training diverged by step {step} ({what} became NaN or infinite); it was "
+                   f"stopped before saving that state: {kept}. Lower optimizer.learning_rate, "
+                   "raise optimizer.warmup_steps or set optimizer.grad_clip_norm, and start "
+                   "again in a new workdir (init_from can start it from a checkpoint)")
 
 
 def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
                progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
-               step_flops: float, peak: metrics_lib.PeakFlops) -> dict[str, float]:
+               step_flops: float, peak: metrics_lib.PeakFlops) -> None:
     scalars = accumulator.result()
     steps_per_s, _ = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size
@@ -669,7 +680,6 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
         })
     writer.write(step, "train", scalars)
     _print(run, progress.line(step, scalars, steps_per_s))
-    return scalars
 
 
 def _format(result: dict[str, float]) -> str:

@@ -22,7 +22,7 @@ import logging
 import math
 import pathlib
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,17 +114,18 @@ class MetricAccumulator:
             self._sums[name] = pair if old is None else (old[0] + pair[0], old[1] + pair[1])
         self._count += 1
 
-    def peek(self) -> dict[str, float]:
-        """{name: Σsum / Σweight} (host floats) of the steps added since the last reset."""
-        fetched = jax.device_get(self._sums)
-        return {k: float(s) / float(w) if float(w) else float("nan")
-                for k, (s, w) in fetched.items()}
+    def all_finite(self, names: Sequence[str]) -> bool:
+        """Whether the sums and weights of ``names`` since the last reset are all finite (a
+        zero weight is fine: e.g. an MLM batch without masked tokens)."""
+        fetched = jax.device_get({k: v for k, v in self._sums.items() if k in names})
+        return all(math.isfinite(float(x)) for pair in fetched.values() for x in pair)
 
     def result(self) -> dict[str, float]:
-        """``peek()`` and reset."""
-        out = self.peek()
+        """{name: Σsum / Σweight} (host floats) and reset."""
+        fetched = jax.device_get(self._sums)
         self._sums, self._count = {}, 0
-        return out
+        return {k: float(s) / float(w) if float(w) else float("nan")
+                for k, (s, w) in fetched.items()}
 
 
 class MetricWriter:

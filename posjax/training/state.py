@@ -36,6 +36,18 @@ class TrainState:
     opt_state: Any
 
 
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point value in ``tree`` (e.g. a TrainState) is finite."""
+    return bool(_all_finite(tree))
+
+
 def _is_sharding(x: Any) -> bool:
     return isinstance(x, Sharding)
 
