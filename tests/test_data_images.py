@@ -305,6 +305,53 @@ def _run_workers_script(tmp_path, how):
     return out, pids
 
 
+SNIPER_SCRIPT = """
+import contextlib, glob, os, signal, sys, threading, time
+from posjax.data import default_data_config, make_image_pipeline
+from posjax.data.common import signals_to_receiver_thread
+
+def children():
+    out = set()
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(path) as f:
+            out.update(int(p) for p in f.read().split())
+    return out
+
+if __name__ == "__main__":
+    sniped, stop = set(), threading.Event()
+    def snipe():   # SIGTERM each new child process the moment it appears (still starting up)
+        while not stop.is_set():
+            for pid in children() - sniped:
+                os.kill(pid, signal.SIGTERM)
+                sniped.add(pid)
+            time.sleep(0.002)
+    threading.Thread(target=snipe, daemon=True).start()
+    shield = signals_to_receiver_thread() if sys.argv[1] == "shielded" else contextlib.nullcontext()
+    cfg = default_data_config("digits")
+    cfg.worker_count = 2
+    with shield:
+        pipe = make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
+        batches = [next(pipe.iterator) for _ in range(6)]
+        pipe.iterator.close()
+    stop.set()
+    print(len(batches), len(sniped), flush=True)
+"""
+
+
+def test_workers_survive_a_sigterm_while_they_start(tmp_path):
+    """Inside ``signals_to_receiver_thread`` (train.py, eval.py) a worker is immune from its
+    first instruction: without it, a group SIGTERM during a worker's ~2 s of imports kills it
+    and the main process waits for its batches forever (checked: the script then hangs)."""
+    script = tmp_path / "sniper.py"
+    script.write_text(SNIPER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "shielded"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    batches, sniped = map(int, out.stdout.split())
+    assert batches == 6 and sniped >= 2   # both workers (and the resource tracker) were hit
+
+
 def _running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

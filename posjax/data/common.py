@@ -1,18 +1,63 @@
 """Pieces every input pipeline (images, MLM text, GLUE) shares."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import multiprocessing.resource_tracker
 import os
 import pathlib
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
 
 Example = dict[str, np.ndarray]
+
+
+SHIELDED_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_receiver: threading.Thread | None = None
+
+
+@contextlib.contextmanager
+def signals_to_receiver_thread() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT reach the process through one daemon thread started for the
+    purpose; the calling thread blocks them, and so does every thread or process started inside
+    (they inherit the block). Python still runs the handlers in the main thread, as always.
+
+    This closes the start-up window of input workers: a SIGTERM sent to the whole process group
+    while a worker is still importing (about 2 s) would otherwise kill it with the default
+    action before ``input_worker_init`` runs, and the main process would wait for its batches
+    forever. Signals that arrive meanwhile are not lost; the block ends on exit."""
+    global _receiver
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    if _receiver is None:   # started with the caller's (unblocked) mask, lives for the process
+        _receiver = threading.Thread(target=threading.Event().wait, name="signal-receiver",
+                                     daemon=True)
+        _receiver.start()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker now, keeping the calling thread's signal mask.
+
+    CPython 3.11 blocks SIGTERM and SIGINT to start the tracker and then unblocks them in the
+    starting thread. Started lazily from the Grain thread that spawns the first worker, it
+    would lift ``signals_to_receiver_thread``'s block there, and that thread would spawn the
+    workers unprotected."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    multiprocessing.resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def input_worker_init(worker_index: int, worker_count: int) -> None:
@@ -22,6 +67,8 @@ def input_worker_init(worker_index: int, worker_count: int) -> None:
     - SIGTERM and SIGINT sent to the whole process group (``timeout``, Slurm, Ctrl-C) are
       ignored while the main process lives: it saves a checkpoint first, which may need a few
       more batches, and then closes its pipelines or exits; Grain stops the workers either way.
+      A worker started inside ``signals_to_receiver_thread`` (train.py, eval.py) has them
+      blocked from its first instruction; they are unblocked here, once ignored.
     - A worker whose main process is gone (killed, or ended by ``os._exit``) exits within a
       second instead of lingering.
     """
@@ -37,8 +84,10 @@ def input_worker_init(worker_index: int, worker_count: int) -> None:
             time.sleep(0.5)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in SHIELDED_SIGNALS:
+        signal.signal(signum, on_signal)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED_SIGNALS)
     threading.Thread(target=exit_when_orphaned, name="exit-when-orphaned", daemon=True).start()
 
 

@@ -60,7 +60,8 @@ Worker processes (``worker_count > 0``) are spawned, so the calling script needs
 ``if __name__ == '__main__':`` guard (absl.app.run scripts have one); call
 ``pipe.iterator.close()`` to stop them when done (Grain stops them at exit at the latest).
 They ignore SIGTERM and SIGINT while the main process lives, which decides when they end
-(``common.input_worker_init``).
+(``common.input_worker_init``); inside ``common.signals_to_receiver_thread`` (train.py, eval.py)
+they are shielded from their first instruction, before that runs.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ from absl import flags
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, input_worker_init,
-                                 key_problems, pad_to_full_batches)
+                                 key_problems, pad_to_full_batches, start_resource_tracker)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -401,6 +402,7 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     if cfg.worker_count > 0:
         if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags when it spawns
             flags.FLAGS.mark_as_parsed()  # workers; outside absl.app.run use their defaults
+        start_resource_tracker()
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
                                       worker_init_fn=input_worker_init)
     return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),

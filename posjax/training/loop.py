@@ -38,7 +38,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from posjax.data.common import write_text_atomically
+from posjax.data.common import signals_to_receiver_thread, write_text_atomically
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
@@ -481,6 +481,12 @@ def read_eval(run: Run, step: int) -> dict[str, float] | None:
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
+    with signals_to_receiver_thread():   # input workers never die of a group SIGTERM
+        return _evaluate_run(config, workdir, step)
+
+
+def _evaluate_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+                  step: int | None) -> dict[str, float]:
     run = prepare(config, workdir, training=False)
     steps = saved_steps(run.workdir)
     if step is None and steps:
@@ -521,6 +527,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     ``stop_after``: stop (with a saved checkpoint) once this step is reached, as a preemption
     would; used to test resumption.
     """
+    with signals_to_receiver_thread():   # input workers never die of a group SIGTERM
+        return _train_run(config, workdir, stop_after)
+
+
+def _train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+               stop_after: int | None) -> TrainResult:
     run = prepare(config, workdir, training=True)
     # Data errors (and data that does not fit the model) before anything is written.
     pipe = run.make_pipeline("train", config.batch_size, True)
