@@ -478,15 +478,10 @@ def read_eval(run: Run, step: int) -> dict[str, float] | None:
     return {k: v for k, v in saved.items() if k not in ("step", "split")}
 
 
+@signals_to_receiver_thread()   # input workers never die of a group SIGTERM
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
-    with signals_to_receiver_thread():   # input workers never die of a group SIGTERM
-        return _evaluate_run(config, workdir, step)
-
-
-def _evaluate_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
-                  step: int | None) -> dict[str, float]:
     run = prepare(config, workdir, training=False)
     steps = saved_steps(run.workdir)
     if step is None and steps:
@@ -520,6 +515,7 @@ class TrainResult:
     eval: dict[str, float]         # final eval metrics (empty when preempted)
 
 
+@signals_to_receiver_thread()   # input workers never die of a group SIGTERM
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
           stop_after: int | None = None) -> TrainResult:
     """Train to ``config.num_steps`` (resuming from the latest checkpoint in ``workdir``).
@@ -527,12 +523,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     ``stop_after``: stop (with a saved checkpoint) once this step is reached, as a preemption
     would; used to test resumption.
     """
-    with signals_to_receiver_thread():   # input workers never die of a group SIGTERM
-        return _train_run(config, workdir, stop_after)
-
-
-def _train_run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
-               stop_after: int | None) -> TrainResult:
     run = prepare(config, workdir, training=True)
     # Data errors (and data that does not fit the model) before anything is written.
     pipe = run.make_pipeline("train", config.batch_size, True)
@@ -590,6 +580,13 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     step = start
     first = True
     started = time.perf_counter()
+
+    def save(force: bool = False) -> None:
+        """Save ``state`` at ``step`` when due (or ``force``), never a diverged one."""
+        if force or checkpointer.due(step):
+            _stop_if_diverged(step, accumulator, state, checkpointer, writer)
+        checkpointer.save(step, state, iterator, force=force)
+
     with run.context():
         while step < num_steps:
             batch = global_batch(next(iterator), run.mesh)
@@ -607,10 +604,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _log_train(run, step, accumulator, progress, writer, step_flops, peak)
                 if not finite:
                     _diverged(step, "the loss or gradient norm", checkpointer, writer)
-            # Save (when due) before a periodic eval: a stop during the eval then loses nothing.
-            if checkpointer.due(step):
-                _stop_if_diverged(step, accumulator, state, checkpointer, writer)
-            checkpointer.save(step, state, iterator)
+            save()   # before a periodic eval: a stop during the eval then loses nothing
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
                 result = run_evaluation(run, state.params, eval_step)
@@ -618,8 +612,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
                 if checkpointer.latest_step() != step:
-                    _stop_if_diverged(step, accumulator, state, checkpointer, writer)
-                    checkpointer.save(step, state, iterator, force=True)
+                    save(force=True)
                 checkpointer.wait()
                 preempted = True
                 break
@@ -628,8 +621,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             writer.close()
             return TrainResult(step, True, {})
         if checkpointer.latest_step() != step:
-            _stop_if_diverged(step, accumulator, state, checkpointer, writer)
-            checkpointer.save(step, state, iterator, force=True)
+            save(force=True)
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
