@@ -37,6 +37,9 @@ BAD_CONFIGS = {
         ["use_emd=True", "max_position_embeddings > 0"]),
     "EMD outside DeBERTa": (TextConfig, dict(position_scheme="tupe_a", use_emd=True),
                             ["use_emd=True", "deberta"]),
+    "EMD with positions added to the input": (
+        TextConfig, dict(position_scheme="deberta_v2", use_emd=True, position_biased_input=True),
+        ["use_emd=True", "position_biased_input=False"]),
     "EMD with factorised embeddings": (
         TextConfig, dict(position_scheme="deberta_v2", use_emd=True, embedding_size=8),
         ["embedding_size=8", "hidden_size=16"]),

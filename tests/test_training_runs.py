@@ -166,7 +166,8 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
     with caplog.at_level(logging.WARNING):
-        loaded = state_lib.load_init_from(state, str(export), run.shardings).params
+        loaded = state_lib.load_init_from(state, str(export), run.shardings,
+                                          run.task.patch_grid).params
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings     # one summary, not one line per parameter
     assert warnings[0].startswith(f"init_from {export}: 3 parameter(s) not loaded as they are "
@@ -182,6 +183,41 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     grid = params["pos_embedding"][0, 1:].reshape(4, 4, 16)
     np.testing.assert_allclose(pos[0, 1], grid[0, 0], atol=1e-6)     # corner-aligned (order 1)
     np.testing.assert_allclose(pos[0, 4], grid[3, 3], atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["vit", "tupe_a"])
+def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
+    """A 4x4 patch grid fine-tuned on 8x16 images (grid 2x4): every per-patch position table
+    (ViT's, and TUPE's with its extra first row) goes to the model's own grid, not a guessed
+    square one."""
+    model = {"model.image_size": 16, "model.patch_size": 4, "model.position_scheme": scheme}
+    source = syn.tiny_config(**model)
+    task = make_task(source)
+    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
+                                             task.dummy_batch(2)))
+    params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
+    export = tmp_path / "export"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(export / "params", {"params": params})
+    (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
+
+    config = syn.tiny_config(**model, init_from=str(export))
+    config.model = dict(config.model.to_dict(), image_size=(8, 16))
+    run = loop.prepare(config, tmp_path / "run", training=True)
+    assert run.task.patch_grid == (2, 4)
+    state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
+    loaded = state_lib.load_init_from(state, str(export), run.shardings,
+                                      run.task.patch_grid).params
+    tables = {"vit": [(("pos_embedding",), 1)],
+              "tupe_a": [(("encoder", "tupe_bias", "position_embeddings"), 2)]}[scheme]
+    for path, prefix in tables:
+        old, new = _get(params, path), _get(loaded, path)
+        assert new.shape[-2] == prefix + 8
+        np.testing.assert_array_equal(new[..., :prefix, :], old[..., :prefix, :])
+        # Corner-aligned resampling 4 -> 2 rows takes rows 0 and 3; 4 -> 4 columns is exact.
+        grid = old[..., prefix:, :].reshape(*old.shape[:-2], 4, 4, -1)
+        np.testing.assert_allclose(new[..., prefix:, :].reshape(*old.shape[:-2], 2, 4, -1),
+                                   grid[..., [0, 3], :, :], atol=1e-6)
 
 
 def _get(tree, path):

@@ -107,7 +107,8 @@ class TextConfig:
     gather: str = "shift"                # DeBERTa relative gather: take | onehot | shift
                                          # (shift: fastest in BENCHMARKS.md; = take beyond L=k)
     # Heads.
-    use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM
+    use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM (needs
+                                         # position_biased_input=False, as officially)
     pooler_act: str = "tanh"
     remat: bool = False                  # recompute each layer's activations in the backward
     scan_layers: bool = False            # one lax.scan over stacked layer params (fast compile)
@@ -139,6 +140,10 @@ class TextConfig:
             _check(self.input_embedding_size == self.hidden_size, "embedding_size",
                    self.embedding_size, "EMD adds the raw position embeddings to hidden states: "
                    f"use 0 or hidden_size={self.hidden_size} with use_emd=True")
+            _check(not self.position_biased_input, "use_emd", self.use_emd,
+                   "the official code runs the enhanced mask decoder only when absolute "
+                   "positions are not added to the input: set position_biased_input=False, or "
+                   "use_emd=False to decode the last layer")
         if self.conv_kernel_size:
             _check(self.position_scheme == "deberta_v2", "conv_kernel_size", self.conv_kernel_size,
                    "the convolution layer exists only for position_scheme='deberta_v2'")

@@ -555,7 +555,8 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     if run.config.init_from:
-        state = state_lib.load_init_from(state, run.config.init_from, run.shardings)
+        state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
+                                         run.task.patch_grid)
     return state, 0
 
 

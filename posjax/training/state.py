@@ -164,13 +164,17 @@ def encoder_rooted(loaded: dict[str, Any], model_keys: Any) -> dict[str, Any]:
 
 
 def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
-                     pretrained_config: dict[str, Any]) -> tuple[Any, list[str]]:
+                     pretrained_config: dict[str, Any], grid: tuple[int, int] | None = None
+                     ) -> tuple[Any, list[str]]:
     """Replace leaves of ``params`` by ``loaded`` ones with the same path (a bare text-encoder
     checkpoint is first placed under ``['encoder']``, see ``encoder_rooted``).
 
-    Same shape: taken as is. ViT ``pos_embedding`` with another token count: resampled to the
-    new grid (bilinear, vit_jax convention; the [CLS] row, present when the model has a ``cls``
-    parameter, is kept; the old grid comes from the pretrained model config, else square).
+    Same shape: taken as is. A patch-position table with another token count, when this model
+    has a patch ``grid`` (gh, gw): resampled to that grid (bilinear, vit_jax convention). That
+    is ViT's ``pos_embedding`` (1, P + gh·gw, H), whose [CLS] row (P = 1 when the model has a
+    ``cls`` parameter) is kept, and TUPE's ``position_embeddings`` (1 + P + gh·gw, H), whose
+    extra first row is kept too. The old grid comes from the pretrained model config, else
+    it must be square.
     Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init,
     and so does a ``head`` that read ``pre_logits`` features in one model and not in the other
     (a ViT fine-tuned without the pre-training representation layer gets a fresh head).
@@ -200,12 +204,12 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
         old = loaded[key]
         if tuple(old.shape) == tuple(fresh.shape):
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
-        if key.endswith("['pos_embedding']") and old.ndim == 3 and old.shape[2] == fresh.shape[2]:
-            old_grid = _grid(pretrained_config, old.shape[1] - num_prefix_tokens)
-            new_grid = _grid({}, fresh.shape[1] - num_prefix_tokens)
-            table = resample_position_table(jnp.asarray(old), old_grid, new_grid,
-                                            num_prefix_tokens=num_prefix_tokens)
-            notes.append(f"{key}: resampled grid {old_grid} -> {new_grid}")
+        prefix = _patch_table_prefix(key, num_prefix_tokens)
+        if grid is not None and prefix is not None and old.shape[-1] == fresh.shape[-1]:
+            old_grid = _grid(pretrained_config, old.shape[-2] - prefix)
+            table = resample_position_table(jnp.asarray(old), old_grid, grid,
+                                            num_prefix_tokens=prefix)
+            notes.append(f"{key}: resampled grid {old_grid} -> {grid}")
             return jax.device_put(table.astype(fresh.dtype), flat_shardings[key])
         notes.append(f"{key}: shape {tuple(old.shape)} in the checkpoint, "
                      f"{tuple(fresh.shape)} here; keeps its init")
@@ -215,6 +219,16 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     notes += [f"{k}: in the checkpoint but not in this model, ignored"
               for k in sorted(set(loaded) - used)]
     return merged, notes
+
+
+def _patch_table_prefix(key: str, num_prefix_tokens: int) -> int | None:
+    """Rows before the patch rows of a per-token position table named ``key``; None if it is
+    not one."""
+    if key.endswith("['pos_embedding']"):
+        return num_prefix_tokens
+    if key.endswith("['tupe_bias']['position_embeddings']"):
+        return 1 + num_prefix_tokens
+    return None
 
 
 def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
@@ -239,11 +253,14 @@ def _flatten(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def load_init_from(state: TrainState, path: str, shardings: TrainState) -> TrainState:
-    """``state`` with the params of ``path`` merged in (``merge_pretrained``); one WARNING when
-    some are not taken as they are (see ``init_from_summary``)."""
+def load_init_from(state: TrainState, path: str, shardings: TrainState,
+                   grid: tuple[int, int] | None = None) -> TrainState:
+    """``state`` with the params of ``path`` merged in (``merge_pretrained``; ``grid``: this
+    model's patch grid, for models on images); one WARNING when some are not taken as they are
+    (see ``init_from_summary``)."""
     loaded, pretrained_cfg = read_pretrained(path, state.params, shardings.params)
-    params, notes = merge_pretrained(state.params, loaded, shardings.params, pretrained_cfg)
+    params, notes = merge_pretrained(state.params, loaded, shardings.params, pretrained_cfg,
+                                     grid)
     if notes:
         logging.warning("%s", init_from_summary(path, notes))
     return state.replace(params=params)

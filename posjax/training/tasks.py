@@ -29,6 +29,9 @@ with ``@register_task``, and implement:
 ``write_predictions(outputs, directory)`` (optional)
     Write the gathered ``eval_outputs`` of an evaluation as files in ``directory`` (eval.py
     passes ``<workdir>/predictions/step_<N>``); returns their paths. Default: nothing.
+``patch_grid`` (optional property)
+    The model's patch grid (rows, cols) when it runs on images, else None (the default).
+    ``init_from`` resamples pretrained position tables of another grid to it.
 ``make_pipeline(split, batch_size, seed, train, shard_index, shard_count)``
     The input pipeline: an object with ``.iterator`` (checkpointable grain iterator yielding
     numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
@@ -98,6 +101,10 @@ class Task(abc.ABC):
                           directory: pathlib.Path) -> list[pathlib.Path]:
         return []
 
+    @property
+    def patch_grid(self) -> tuple[int, int] | None:
+        return None
+
     @abc.abstractmethod
     def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
                       shard_index: int, shard_count: int) -> Any: ...
@@ -166,6 +173,10 @@ class ImageClassification(Task):
     @property
     def model_config(self) -> ViTConfig:
         return ViTConfig.from_dict(_to_dict(self.config.model))
+
+    @property
+    def patch_grid(self) -> tuple[int, int]:
+        return self.model_config.grid_size
 
     @property
     def label_smoothing(self) -> float:
