@@ -30,8 +30,21 @@ def test_bad_input_exits_with_one_message(tmp_path):
     unknown = _run("train.py", *TINY, "--config.optimizer.lr=3", f"--workdir={workdir}")
     assert unknown.returncode == 1
     assert unknown.stderr.strip().splitlines()[-1].startswith(
-        "error: unknown config key 'lr' in ")
+        "error: unknown config key 'optimizer.lr' in ")
     assert "Traceback" not in unknown.stderr
+    typo = _run("train.py", *TINY, "--config.optimizer.learnig_rate=3", f"--workdir={workdir}")
+    assert typo.returncode == 1 and "Traceback" not in typo.stderr
+    assert typo.stderr.strip().splitlines()[-1].startswith(
+        "error: unknown config key 'optimizer.learnig_rate' in ")
+    assert typo.stderr.strip().endswith(
+        'no such field (Did you mean "learning_rate" instead of "learnig_rate"?)')
+    saved = tmp_path / "config.json"                 # a run's config.json given as a config
+    saved.write_text('{"seed": 0, "async": false}')
+    json_file = _run("train.py", "--config", str(saved), f"--workdir={workdir}")
+    assert json_file.returncode == 1 and "Traceback" not in json_file.stderr
+    assert json_file.stderr.strip().splitlines() == [
+        f"error: cannot load the config given by --config {saved}: NameError: name 'false' is "
+        "not defined; a run's config.json is loaded with --config configs/saved.py:WORKDIR"]
     mesh = _run("train.py", *TINY, "--config.mesh.data=2", f"--workdir={workdir}")
     assert mesh.returncode == 1 and "Traceback" not in mesh.stderr
     assert "error: mesh (data=2, fsdp=1, tensor=1) needs 2 devices but 1 are present" \

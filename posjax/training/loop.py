@@ -708,11 +708,30 @@ def _config_args(argv: list[str]) -> str:
     return " ".join(out)
 
 
-def _unknown_key_exit(error: Exception, argv: list[str]):
+def _config_error_exit(error: Exception, argv: list[str]):
+    """Exit with one ``error:`` line for a config file that cannot be loaded or overridden.
+
+    ml_collections reports an unknown override key as a KeyError (maybe inside an
+    AttributeError) whose argument is the leaf name, maybe followed by a 'Did you mean ...' line; the whole dotted
+    key is taken from the matching ``--config.a.b=v`` argument."""
     import sys
-    key = str(error).strip("'\"")
+    given = f"the config given by {_config_args(argv)}"
+    while error.args and isinstance(error.args[0], Exception):   # AttributeError(KeyError(..))
+        error = error.args[0]
+    message = str(error.args[0]) if error.args else str(error)
+    if not isinstance(error, (KeyError, AttributeError)):
+        hint = ("; a run's config.json is loaded with --config configs/saved.py:WORKDIR"
+                if any(a.endswith(".json") or ".json:" in a for a in argv) else "")
+        sys.exit(f"error: cannot load {given}: {type(error).__name__}: {message}{hint}")
+    if "get_config" in message:
+        sys.exit(f"error: cannot load {given}: the file defines no get_config()")
+    leaf, _, suggestion = message.partition("\n")
+    leaf = leaf.strip("'\"")
+    keys = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    key = next((k for k in keys if k.rsplit(".", 1)[-1] == leaf), leaf)
+    fix = suggestion.strip() or "check the spelling against the config file"
     sys.exit(f"error: unknown config key {key!r} in {_config_args(argv)}: the config has no "
-             "such field (check the spelling against the config file)")
+             f"such field ({fix})")
 
 
 def _raised_message(text: str) -> str:
@@ -736,13 +755,13 @@ def define_config_flag(default: str | None, help_text: str) -> None:
 
     try:
         config_flags.DEFINE_config_file("config", default, help_text)
-    except (KeyError, AttributeError) as e:
-        _unknown_key_exit(e, sys.argv)
+    except Exception as e:    # noqa: BLE001 -- any failure of the user's file: one line
+        _config_error_exit(e, sys.argv)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flags parser for train.py / eval.py: a bad ``--config`` (missing file, unknown key,
-    wrong type) ends with one ``error:`` line and exit status 1 instead of a traceback."""
+    """absl flags parser for train.py / eval.py: a bad ``--config`` (missing or broken file,
+    unknown key, wrong type) ends with one ``error:`` line and exit status 1 instead of a traceback."""
     import sys
 
     from absl import flags
@@ -757,8 +776,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             sys.exit(f"error: cannot load the config given by {_config_args(argv)}: "
                      f"{_raised_message(str(e))}")
         sys.exit(f"error: {e}\nPass --helpfull to see the flags.")
-    except (KeyError, AttributeError) as e:
-        _unknown_key_exit(e, argv)
     except OSError as e:
         detail = " ".join(str(e).split())
         sys.exit(f"error: cannot load the config given by {_config_args(argv)}: {detail}")
+    except Exception as e:    # noqa: BLE001 -- unknown key, or the file itself fails to run
+        _config_error_exit(e, argv)
