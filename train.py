@@ -28,7 +28,9 @@ def main(argv):
         return loop.train(config, flags.FLAGS.workdir)
 
     result = loop.run_command(train)
-    if result.preempted:
+    if result.preempted and result.step == 0:
+        print("stopped before the first step: nothing to save; rerun to start")
+    elif result.preempted:
         print(f"preempted: checkpoint saved at step {result.step}; rerun to resume")
 
 

@@ -105,6 +105,47 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     assert "\n  model.hidden_size: 16 -> 32\n" in refused.stderr
 
 
+SIGTERM_DURING_SETUP = """
+import os, signal, sys, time
+from posjax.training import loop, state as state_lib
+sys.path.insert(0, "configs")
+import vit_digits
+
+init_state = state_lib.init_state
+def init_then_sigterm(*args, **kwargs):   # the signal arrives while the state is being built
+    state = init_state(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return state
+state_lib.init_state = init_then_sigterm
+config = vit_digits.get_config("tiny")
+config.num_steps = 3
+stopped = loop.train(config, sys.argv[1])
+print("first:", stopped.step, stopped.preempted, os.listdir(sys.argv[1] + "/checkpoints"),
+      flush=True)
+try:
+    loop.evaluate(config, sys.argv[1])
+except ValueError as e:
+    print("eval:", e, flush=True)
+state_lib.init_state = init_state
+finished = loop.train(config, sys.argv[1])
+print("second:", finished.step, finished.preempted, flush=True)
+"""
+
+
+def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path):
+    """SIGTERM before the first step (data, init, restore): no crash, nothing saved (eval.py
+    says so), and the same command trains afterwards."""
+    workdir = tmp_path / "run"
+    done = _run("-c", SIGTERM_DURING_SETUP, str(workdir))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "SIGTERM: will save a checkpoint after the current step and exit" in done.stderr
+    lines = done.stdout.splitlines()
+    assert "first: 0 True []" in lines and "second: 3 False" in lines, done.stdout[-2000:]
+    assert f"eval: {workdir / 'checkpoints'} holds no saved step yet: train there first" \
+        in done.stdout
+
+
 def _group_members(pgid: int) -> list[str]:
     """Live (not zombie) processes of process group ``pgid``, as 'pid command' lines."""
     out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True,

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ import pytest
 
 from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
+from posjax.training import checkpoint as ckpt_lib
 from posjax.training import flops, loop, metrics, optim
 from posjax.training import mesh as mesh_lib
 from posjax.training import state as state_lib
@@ -486,3 +490,28 @@ def test_row_blocks_of_contiguous_shards(rows, shards, expected):
 def test_row_blocks_refuse_meshes_the_pipeline_cannot_feed(rows, shards, match):
     with pytest.raises(ValueError, match=match):
         loop.row_blocks(rows, shards, "mesh M")
+
+
+def _wait_for(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)    # the main thread runs Python signal handlers between bytecodes
+    return predicate()
+
+
+def test_stop_request_first_ctrl_c_asks_to_save_the_second_aborts():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with ckpt_lib.StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert _wait_for(lambda: stop.requested)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for(lambda: False, 2.0)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with ckpt_lib.StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert _wait_for(lambda: stop.requested)
+        os.kill(os.getpid(), signal.SIGTERM)   # a repeated SIGTERM changes nothing
+        _wait_for(lambda: False, 0.2)
+    assert stop.requested
+

@@ -4,8 +4,8 @@
 target carries the new shardings) and ``<workdir>/checkpoints/<step>/data_iter`` (one Grain
 iterator state file per process). Saves are asynchronous; ``every_steps`` and ``keep`` set the
 interval and how many are kept. Preemption (SIGTERM) is honoured at the next step boundary:
-single process via a signal flag, multi-process via JAX's preemption sync point, so every
-process saves the same step.
+single process via a signal flag (``StopRequest``, which a first Ctrl-C sets too),
+multi-process via JAX's preemption sync point, so every process saves the same step.
 """
 from __future__ import annotations
 
@@ -19,11 +19,44 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class StopRequest:
+    """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to save after the
+    current step and stop (``requested``); a second Ctrl-C aborts at once (KeyboardInterrupt).
+
+    Single process only; with several, nothing is installed: JAX's preemption service owns
+    SIGTERM (``Checkpointer.reached_preemption``), and Ctrl-C keeps Python's default, since a
+    stop on one host alone would leave the others waiting in a collective."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if jax.process_count() == 1:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        again = "; Ctrl-C again aborts without saving" if signum == signal.SIGINT else ""
+        logging.warning("%s: will save a checkpoint after the current step and exit%s",
+                        signal.Signals(signum).name, again)
+        self.requested = True
+
+
 class Checkpointer:
-    """Orbax CheckpointManager over ``<workdir>/checkpoints``."""
+    """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``stop``: the run's
+    ``StopRequest`` (single process), read by ``reached_preemption``."""
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
-                 async_save: bool = True, create: bool = True):
+                 async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
         self.directory = pathlib.Path(workdir).expanduser().resolve() / "checkpoints"
         # Save on the interval only (Orbax's default also saves the first step of every run);
         # preemption and the final step are saved with force=True.
@@ -33,8 +66,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save, create=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
-        self._preempted = False
-        self._previous_handler = None
+        self.stop = stop
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -81,30 +113,19 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
 
     # -- preemption ---------------------------------------------------------------------------
 
-    def watch_preemption(self) -> None:
-        """Single process: SIGTERM sets a flag read by ``reached_preemption``.
+    def reached_preemption(self, step: int) -> bool:
+        """True once every process should save ``step`` and stop.
 
-        Several processes: nothing to install. ``jax.distributed.initialize`` installs a
-        SIGTERM handler (JAX's preemption service, on by default) that tells every process;
+        Several processes: ``jax.distributed.initialize`` installs a SIGTERM handler (JAX's
+        preemption service, on by default) that tells every process; Orbax's
         ``reached_preemption`` (JAX's ``reached_preemption_sync_point``, called every step) is
         then True on all processes at the same step, one past the largest step any had
-        reached, whichever processes got the signal. A Python handler here would replace
-        JAX's. tests/test_multiprocess.py signals one of two processes."""
-        if jax.process_count() == 1:
-            def on_sigterm(signum, frame):
-                logging.warning("SIGTERM: will save a checkpoint after the current step and exit")
-                self._preempted = True
-            self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-
-    def reached_preemption(self, step: int) -> bool:
-        """True once every process should save ``step`` and stop."""
-        return self._preempted or self.manager.reached_preemption(step)
+        reached, whichever processes got the signal. tests/test_multiprocess.py signals one
+        of two processes."""
+        return bool(self.stop and self.stop.requested) or self.manager.reached_preemption(step)
 
 
 def _root_cause(error: BaseException) -> str:

@@ -118,7 +118,7 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
 
 def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
-    program with 'error: …' and status 1. With several processes every failure ends this
+    program with 'error: …' and status 1, an abort by Ctrl-C with one line and status 130. With several processes every failure ends this
     process at once (``os._exit`` after printing): a normal exit would wait at JAX's shutdown
     barrier for the other processes, which sit in a collective waiting for this one (minutes,
     then an abort). Ending at once makes their collectives fail, so they end too."""
@@ -126,6 +126,9 @@ def run_command(action: Callable[[], T]) -> T:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
         several = jax.process_count() > 1
+        if isinstance(e, KeyboardInterrupt) and not several:   # a second Ctrl-C (StopRequest)
+            print("aborted: nothing saved since the last checkpoint", file=sys.stderr)
+            sys.exit(130)
         if isinstance(e, (ValueError, Diverged)):
             message = f"error: {e}"
         elif not several:
@@ -486,9 +489,12 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     steps = saved_steps(run.workdir)
     if step is None and steps:
         step = steps[-1]
-    if step is None or step not in steps:
+    if not steps:
+        raise ValueError(f"{run.workdir / 'checkpoints'} holds no saved step yet: train there "
+                         "first (a run stopped before its first save leaves it empty)")
+    if step not in steps:
         raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
-                         f"(available: {steps or 'none'})")
+                         f"(available: {steps})")
     pipe = run.make_eval_pipeline()     # data errors before the restore
     checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
                                          config.checkpoint.keep, create=False)
@@ -523,18 +529,20 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     ``stop_after``: stop (with a saved checkpoint) once this step is reached, as a preemption
     would; used to test resumption.
     """
-    run = prepare(config, workdir, training=True)
-    # Data errors (and data that does not fit the model) before anything is written.
-    pipe = run.make_pipeline("train", config.batch_size, True)
-    run.workdir.mkdir(parents=True, exist_ok=True)
-    if run.is_main:
-        write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
-    checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
-                                         config.checkpoint.keep, config.checkpoint.async_save)
-    try:
-        return _train(run, checkpointer, pipe.iterator, stop_after)
-    finally:
-        checkpointer.close()
+    with ckpt_lib.StopRequest() as stop:   # from the start: a SIGTERM during set-up is no crash
+        run = prepare(config, workdir, training=True)
+        # Data errors (and data that does not fit the model) before anything is written.
+        pipe = run.make_pipeline("train", config.batch_size, True)
+        run.workdir.mkdir(parents=True, exist_ok=True)
+        if run.is_main:
+            write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
+        checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
+                                             config.checkpoint.keep,
+                                             config.checkpoint.async_save, stop=stop)
+        try:
+            return _train(run, checkpointer, pipe.iterator, stop_after)
+        finally:
+            checkpointer.close()
 
 
 def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -565,6 +573,9 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
+    if checkpointer.stop and checkpointer.stop.requested:   # during set-up: nothing new to save
+        logging.warning("stopped before the first step of this run; rerun to resume")
+        return TrainResult(start, True, {})
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
                                            task.dummy_batch(1), config.microbatches)
     eval_step = steps_lib.make_eval_step(task, run.model)
@@ -576,7 +587,6 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     _print(run, f"{step_flops:.4g} train FLOPs/step; MFU against {peak.value:.4g} FLOP/s per "
                 f"device ({peak.source}) x {jax.device_count()} devices")
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
-    checkpointer.watch_preemption()
     preempted = False
     step = start
     first = True
