@@ -127,7 +127,7 @@ def run_command(action: Callable[[], T]) -> T:
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
         several = jax.process_count() > 1
         if isinstance(e, KeyboardInterrupt) and not several:   # a second Ctrl-C (StopRequest)
-            print("aborted: nothing saved since the last checkpoint", file=sys.stderr)
+            print("aborted by Ctrl-C", file=sys.stderr)
             sys.exit(130)
         if isinstance(e, (ValueError, Diverged)):
             message = f"error: {e}"
