@@ -185,6 +185,25 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     np.testing.assert_allclose(pos[0, 4], grid[3, 3], atol=1e-6)
 
 
+def test_init_from_that_fits_no_encoder_parameter_is_refused_before_anything_is_written(
+        tmp_path):
+    """A checkpoint of another width: only the head bias (4 classes) would fit, so init_from
+    would train from scratch under a pretrained name. One error, before the workdir exists."""
+    source = syn.tiny_config(**{"model.hidden_size": 8, "model.mlp_dim": 16})
+    task = make_task(source)
+    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
+                                             task.dummy_batch(2)))
+    export = tmp_path / "export"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(export / "params",
+                   {"params": jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))})
+    (export / "model_config.json").write_text(json.dumps({"config": source.model.to_dict()}))
+    with pytest.raises(ValueError, match=r"init_from='.*export': none of its 24 parameters "
+                                         r"fits this model's encoder: give config.model"):
+        loop.train(syn.tiny_config(init_from=str(export)), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("scheme", ["vit", "tupe_a"])
 def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
     """A 4x4 patch grid fine-tuned on 8x16 images (grid 2x4): every per-patch position table

@@ -401,8 +401,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     validate_batch(config, mesh)
     if training:
         check_workdir(workdir, config)
-        if config.init_from and not saved_steps(workdir):   # read only by a fresh start
-            state_lib.pretrained_location(config.init_from)   # raises when nothing to load
     elif not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first")
     else:
@@ -410,6 +408,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    if training and config.init_from and not saved_steps(workdir):   # read by a fresh start
+        state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings)
 
 

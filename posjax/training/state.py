@@ -106,6 +106,64 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
                      "model_config.json) nor a train.py workdir with checkpoints/<step>/state")
 
 
+def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str, Any]:
+    """The metadata tree (shapes, dtypes) of the checkpoint at ``params_dir``; it must hold a
+    top-level ``params`` tree."""
+    import orbax.checkpoint as ocp
+
+    meta = ocp.StandardCheckpointer().metadata(params_dir)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = dict(getattr(tree, "tree", tree))
+    if "params" not in tree:
+        raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
+                         f"(top-level keys {sorted(tree)})")
+    return tree
+
+
+def check_init_from(path: str | pathlib.Path, target_params: Any,
+                    grid: tuple[int, int] | None = None) -> None:
+    """Raise one ValueError when no encoder parameter saved at ``path`` would be loaded into
+    a model with ``target_params`` (abstract shapes are enough): e.g. a text checkpoint for a
+    ViT, or another model width. Reads only the checkpoint's metadata."""
+    params_dir, cfg_file = pretrained_location(path)
+    saved = _saved_tree(path, params_dir)["params"]
+    target = _flatten(target_params)
+    scanned = any("['layers']" in key for key in target)
+    shapes = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
+                                    dict(saved), is_leaf=lambda x: hasattr(x, "shape"))
+    shapes = _flatten(jax.eval_shape(lambda t: to_layout(t, scanned), shapes))
+    shapes = encoder_rooted(shapes, target)
+    num_prefix_tokens = 1 if "['cls']" in target else 0
+    # The encoder is what a pretrained model is for: a head or a bias that happens to fit
+    # alone does not make a checkpoint usable.
+    encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
+    if any(key in shapes and _fit(key, shapes[key].shape, target[key].shape, grid,
+                                  num_prefix_tokens) for key in encoder):
+        return
+    scheme = ""
+    if cfg_file.exists():
+        saved_cfg = json.loads(cfg_file.read_text())
+        saved_cfg = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
+        if "position_scheme" in saved_cfg:
+            scheme = f" (its position_scheme is {saved_cfg['position_scheme']!r})"
+    raise ValueError(
+        f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
+        f"encoder{scheme}: give config.model the pretrained model's "
+        f"architecture (see {cfg_file.name} there), or start without init_from")
+
+
+def _fit(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
+         grid: tuple[int, int] | None, num_prefix_tokens: int) -> str | None:
+    """'same' (loaded as is), 'resample' (a patch-position table of another grid, resampled
+    to ``grid``) or None (keeps its init)."""
+    if tuple(saved_shape) == tuple(shape):
+        return "same"
+    if grid is not None and _patch_table_prefix(key, num_prefix_tokens) is not None \
+            and len(saved_shape) == len(shape) and saved_shape[-1] == shape[-1]:
+        return "resample"
+    return None
+
+
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
                     ) -> tuple[dict[str, np.ndarray | jax.Array], dict[str, Any]]:
     """Params saved by the converter (``<path>/params``: orbax StandardCheckpointer of
@@ -118,12 +176,7 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     import orbax.checkpoint as ocp
 
     params_dir, cfg_file = pretrained_location(path)
-    meta = ocp.StandardCheckpointer().metadata(params_dir)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = dict(getattr(tree, "tree", tree))
-    if "params" not in tree:
-        raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
-                         f"(top-level keys {sorted(tree)})")
+    tree = _saved_tree(path, params_dir)
     target = _flatten(target_params)
     shardings = _flatten(param_shardings)
     any_sharding = next(iter(shardings.values()))
@@ -202,10 +255,11 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
                          "no pre_logits (or the reverse); keeps its init")
             return fresh
         old = loaded[key]
-        if tuple(old.shape) == tuple(fresh.shape):
+        fit = _fit(key, old.shape, fresh.shape, grid, num_prefix_tokens)
+        if fit == "same":
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
-        prefix = _patch_table_prefix(key, num_prefix_tokens)
-        if grid is not None and prefix is not None and old.shape[-1] == fresh.shape[-1]:
+        if fit == "resample":
+            prefix = _patch_table_prefix(key, num_prefix_tokens)
             old_grid = _grid(pretrained_config, old.shape[-2] - prefix)
             table = resample_position_table(jnp.asarray(old), old_grid, grid,
                                             num_prefix_tokens=prefix)
