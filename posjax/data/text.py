@@ -174,7 +174,9 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
             try:
                 expand_files(cfg.text_files[base])
             except ValueError as e:
-                out.append(f"data.text_files.{base}: {e}")
+                problem = f"data.text_files.{base}: {e}"
+                if problem not in out:   # train and test may read the same file
+                    out.append(problem)
     elif not cfg.tfds_name:
         out.append("data.tfds_name='': set the TFDS dataset name, e.g. wikipedia/20230601.en")
     else:   # opening a split reads no records; the first failure is usually the dataset's
