@@ -215,8 +215,10 @@ def test_bad_config(wikitext_cfg, tmp_path):
         text.validate_mlm_data_config(cfg)
     cfg = wikitext_cfg.copy_and_resolve_references()
     cfg.text_files = {"valid": str(tmp_path / "missing*.txt")}
-    with pytest.raises(ValueError, match="matches no file"):
+    cfg.train_split = cfg.test_split = "valid"
+    with pytest.raises(ValueError, match="matches no file") as e:
         text.make_mlm_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
+    assert str(e.value).count("matches no file") == 1     # one file, named once
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ok\n".encode("latin-1"))
     source = text.TextFileSource([str(bad)])
