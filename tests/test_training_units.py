@@ -238,7 +238,7 @@ def test_shardings_drop_axes_that_do_not_divide():
     ({"batch_size": 12}, "batch_size=12 is not divisible"),
     ({"microbatches": 3}, "microbatches=3"),
     ({"eval_batch_size": 4}, "eval_batch_size=4 is not divisible"),
-    ({"model.num_heads": 3}, "hidden_size=16"),
+    ({"model.num_heads": 3}, "^model.hidden_size=16 is not valid"),
     ({"model.colour": 1}, "unknown ViTConfig field"),
     ({"task": "translation"}, "config.task='translation'"),
     ({"init_from": "/nonexistent/export"}, "init_from='/nonexistent/export'"),

@@ -48,7 +48,8 @@ from __future__ import annotations
 import abc
 import importlib
 import pathlib
-from typing import Any, ClassVar, Mapping
+import re
+from typing import Any, ClassVar, Mapping, TypeVar
 
 import flax.linen as nn
 import jax
@@ -61,6 +62,7 @@ from posjax.training import flops
 
 Array = jax.Array
 Metrics = dict[str, tuple[Array, Array]]
+ConfigT = TypeVar("ConfigT")
 
 # Modules that call register_task(...) at import; imported lazily by get_task.
 TASK_MODULES: tuple[str, ...] = ("posjax.training.text_tasks",)
@@ -172,7 +174,7 @@ class ImageClassification(Task):
 
     @property
     def model_config(self) -> ViTConfig:
-        return ViTConfig.from_dict(_to_dict(self.config.model))
+        return model_config_from(ViTConfig, self.config.model)
 
     @property
     def patch_grid(self) -> tuple[int, int]:
@@ -273,5 +275,12 @@ def check_data_fits_model(num_classes: int, image_shape: tuple[int, int, int], c
                          f"{image_shape[2]}")
 
 
-def _to_dict(c: Any) -> dict[str, Any]:
-    return c.to_dict() if hasattr(c, "to_dict") else dict(c)
+def model_config_from(cls: type[ConfigT], model: Any) -> ConfigT:
+    """``cls.from_dict(config.model)``; a field its ValueError names is given as
+    ``model.<field>``, the key to override (``--config.model.<field>=...``)."""
+    try:
+        return cls.from_dict(model.to_dict() if hasattr(model, "to_dict") else dict(model))
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(f"model.{message}" if re.match(r"\w+=", message) else message) \
+            from None

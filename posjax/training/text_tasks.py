@@ -36,7 +36,7 @@ from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
 from posjax.training import flops
-from posjax.training.tasks import Metrics, Task, _to_dict, register_task
+from posjax.training.tasks import Metrics, Task, model_config_from, register_task
 
 Array = jax.Array
 
@@ -87,7 +87,7 @@ class _TextTask(Task):
 
     @property
     def model_config(self) -> TextConfig:
-        return TextConfig.from_dict(_to_dict(self.config.model))
+        return model_config_from(TextConfig, self.config.model)
 
     @functools.cached_property
     def tokenizer(self) -> TextTokenizer:
