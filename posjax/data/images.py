@@ -364,7 +364,8 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     size = cfg.image_size
     if len(cfg.mean) not in (1, channels) or len(cfg.std) not in (1, channels):
         raise ValueError(f"data.mean={tuple(cfg.mean)!r}, data.std={tuple(cfg.std)!r}: give 1 "
-                         f"or {channels} values ({cfg.name} images have {channels} channels)")
+                         f"or {channels} values ({cfg.name} images have {channels} "
+                         f"channel{'s' if channels != 1 else ''})")
     if len(selected) < shard_count:
         raise ValueError(f"data.{split}_split selects {len(selected)} examples, fewer than "
                          f"shard_count={shard_count}; select more examples")

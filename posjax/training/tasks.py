@@ -271,7 +271,8 @@ def check_data_fits_model(num_classes: int, image_shape: tuple[int, int, int], c
                          f"{num_classes} classes: set --config.model.num_classes={num_classes}")
     if image_shape[2] != cfg.num_channels:
         raise ValueError(f"model.num_channels={cfg.num_channels} but {data_name} images have "
-                         f"{image_shape[2]} channels: set --config.model.num_channels="
+                         f"{image_shape[2]} channel{'s' if image_shape[2] != 1 else ''}: set "
+                         "--config.model.num_channels="
                          f"{image_shape[2]}")
 
 
