@@ -380,7 +380,7 @@ def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
     for field, value, match in (
             ("num_classes", 5, "model.num_classes=5 but digits has 10 classes: set "
                                "--config.model.num_classes=10"),
-            ("num_channels", 3, "model.num_channels=3 but digits images have 1 channels: set "
+            ("num_channels", 3, "model.num_channels=3 but digits images have 1 channel: set "
                                 "--config.model.num_channels=1")):
         config = vit_digits.get_config("tiny")
         config.model[field] = value

@@ -272,8 +272,7 @@ def check_data_fits_model(num_classes: int, image_shape: tuple[int, int, int], c
     if image_shape[2] != cfg.num_channels:
         raise ValueError(f"model.num_channels={cfg.num_channels} but {data_name} images have "
                          f"{image_shape[2]} channel{'s' if image_shape[2] != 1 else ''}: set "
-                         "--config.model.num_channels="
-                         f"{image_shape[2]}")
+                         f"--config.model.num_channels={image_shape[2]}")
 
 
 def model_config_from(cls: type[ConfigT], model: Any) -> ConfigT:
