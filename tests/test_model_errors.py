@@ -37,6 +37,16 @@ BAD_CONFIGS = {
         ["use_emd=True", "max_position_embeddings > 0"]),
     "EMD outside DeBERTa": (TextConfig, dict(position_scheme="tupe_a", use_emd=True),
                             ["use_emd=True", "deberta"]),
+    "a string for a number": (TextConfig, dict(dropout_rate="0.1"),
+                              ["dropout_rate='0.1'", "must be a number"]),
+    "a float for an integer": (TextConfig, dict(vocab_size=3.5),
+                               ["vocab_size=3.5", "must be an integer"]),
+    "a bool for an integer": (TextConfig, dict(hidden_size=True),
+                              ["hidden_size=True", "must be an integer"]),
+    "no channels": (ViTConfig, dict(num_channels=0), ["num_channels=0", "> 0"]),
+    "hybrid stem of width 0": (
+        ViTConfig, dict(image_size=64, patch_size=1, resnet_layers=(3,), resnet_width=0),
+        ["resnet_width=0", "> 0"]),
     "EMD with positions added to the input": (
         TextConfig, dict(position_scheme="deberta_v2", use_emd=True, position_biased_input=True),
         ["use_emd=True", "position_biased_input=False"]),
@@ -147,3 +157,56 @@ def test_images_of_the_wrong_size_are_named():
     params = random_params(model, np.zeros((1, 32, 32, 3), np.float32))
     with pytest.raises(ValueError, match=r"images have shape \(48, 32, 3\).*image_size=\(32, 32\)"):
         model.apply(params, np.zeros((1, 48, 32, 3), np.float32))
+    with pytest.raises(ValueError, match=r"images \(32, 32, 3\) must be \(B, H, W, C\)"):
+        model.apply(params, np.zeros((32, 32, 3), np.float32))
+
+
+def test_token_inputs_of_the_wrong_shape_or_dtype_are_named():
+    cfg = TextConfig(**TINY, position_scheme="bert_abs", max_position_embeddings=16)
+    model = TextForMaskedLM(cfg)
+    ids = np.ones((2, 6), np.int32)
+    mask = np.ones((2, 6), np.int32)
+    params = random_params(model, input_ids=ids, attention_mask=mask)
+    cases = [
+        (dict(input_ids=ids[0], attention_mask=mask[0]), r"input_ids \(6,\) int32 must be"),
+        (dict(input_ids=ids.astype(np.float32), attention_mask=mask), "must be integer"),
+        (dict(input_ids=ids, attention_mask=mask[:, :5]),
+         r"attention_mask \(2, 5\) must have the shape of input_ids \(2, 6\)"),
+        (dict(input_ids=ids, attention_mask=mask, token_type_ids=ids[:, :5]),
+         r"token_type_ids \(2, 5\)"),
+        (dict(input_ids=ids, attention_mask=mask, masked_positions=np.array([1, 2])),
+         r"masked_positions \(2,\) int64 must be integer \(B=2, M\)"),
+        (dict(input_ids=ids, attention_mask=mask, masked_positions=np.ones((2, 2), np.float32)),
+         r"masked_positions \(2, 2\) float32"),
+    ]
+    for inputs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            model.apply(params, **inputs)
+
+
+def test_attention_blocks_refuse_inputs_they_would_misread():
+    """A (B, L) token mask with B == L would broadcast as a query-by-key mask; a relative
+    table of another size would be read with clamped or shifted indices."""
+    from posjax.layers.attention import MultiHeadAttention
+    from posjax.layers.disentangled import DisentangledAttention
+    from posjax.layers.position_bias import TupePositionBias
+    from posjax.layers.positions import t5_bucket_matrix
+    x = np.ones((4, 4, 16), np.float32)
+    token_mask = np.ones((4, 4), bool)
+    mha = MultiHeadAttention(num_heads=2, head_dim=8, logit_scale=0.25)
+    params = mha.init(jax.random.PRNGKey(0), x, x)
+    with pytest.raises(ValueError, match=r"mask \(4, 4\) must be .* m\[:, None, None, :\]"):
+        mha.apply(params, x, x, mask=token_mask)
+    att = DisentangledAttention(num_heads=2, head_dim=8, pos_att_type=("c2p", "p2c"), span=4,
+                                max_relative_positions=4)
+    table = np.ones((8, 16), np.float32)
+    params = att.init(jax.random.PRNGKey(0), x, x, rel_table=table)
+    for rows in (4, 6, 16):
+        with pytest.raises(ValueError, match=rf"rel_table \({rows}, 16\) must have .* 8 rows"):
+            att.apply(params, x, x, rel_table=np.ones((rows, 16), np.float32))
+    with pytest.raises(ValueError, match="give query_positions"):
+        att.apply(params, x[:, :3], x, rel_table=table)
+    with pytest.raises(ValueError, match="length 10 exceeds max_len=8"):
+        TupePositionBias(num_heads=2, head_dim=8, max_len=8).init(jax.random.PRNGKey(0), 10)
+    with pytest.raises(ValueError, match=r"length 7 does not fit grid 2x3: it needs 6 tokens"):
+        t5_bucket_matrix(7, 32, 128, False, (2, 3))

@@ -216,7 +216,7 @@ SCANNED = {
                                   use_emd=True, num_layers=3),
     "deberta v2 conv EMD remat": text_config(
         "deberta_v2", **V2, share_att_key=True, conv_kernel_size=3, conv_groups=2,
-        use_emd=True, num_layers=3, remat=True),
+        use_emd=True, position_biased_input=False, num_layers=3, remat=True),
 }
 
 

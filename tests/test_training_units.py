@@ -233,6 +233,21 @@ def test_shardings_drop_axes_that_do_not_divide():
     assert spec == jax.sharding.PartitionSpec("fsdp", None)
 
 
+def test_logical_shardings_inside_the_logical_axis_rules():
+    """The shardings of a boxed abstract tree are the same whether or not the caller is
+    already inside ``nn.logical_axis_rules`` (where nn.unbox would add a constraint)."""
+    import flax.linen as nn
+    mesh = mesh_lib.build_mesh({"fsdp": 2, "tensor": 4})
+    model = ViT(ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
+                          num_heads=4, num_layers=1, mlp_dim=32, num_classes=3))
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((2, 8, 8, 1)))
+    outside = mesh_lib.logical_shardings(boxed, mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+        inside = mesh_lib.logical_shardings(boxed, mesh)
+    assert jax.tree.leaves(inside) == jax.tree.leaves(outside)
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(inside))
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"mesh.data": 3}, "needs 3 devices but 8 are present"),
     ({"batch_size": 12}, "batch_size=12 is not divisible"),

@@ -102,6 +102,18 @@ def attention_weights(logits: Array, mask: Array | None) -> Array:
     return jnp.where(visible, weights, 0.0)
 
 
+def check_attention_inputs(x_q: Array, x_kv: Array, mask: Array | None) -> None:
+    """One ValueError, naming the argument, for inputs an attention block cannot take: x_q
+    (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk). A (B, L) token mask would
+    broadcast silently wrong when B == L, so it is refused."""
+    if x_q.ndim != 3 or x_kv.ndim != 3 or x_q.shape[0] != x_kv.shape[0]:
+        raise ValueError(f"x_q {tuple(x_q.shape)} and x_kv {tuple(x_kv.shape)} must be "
+                         "(B, Lq, H) and (B, Lk, H) with the same batch B")
+    if mask is not None and (mask.ndim != 4 or mask.shape[-1] != x_kv.shape[1]):
+        raise ValueError(f"mask {tuple(mask.shape)} must be (B, 1 or heads, Lq or 1, "
+                         f"Lk={x_kv.shape[1]}); a (B, L) token mask m is m[:, None, None, :]")
+
+
 def combine_heads(weights: Array, value: Array, dtype: jnp.dtype) -> Array:
     """(B, h, Lq, Lk) x (B, Lk, h, d) -> (B, Lq, h, d)."""
     return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(dtype), value.astype(dtype))
@@ -152,6 +164,8 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
                  bias: Array | None = None, train: bool = False) -> Array:
+        """x_q (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk) -> (B, Lq, H)."""
+        check_attention_inputs(x_q, x_kv, mask)
         hd = (self.num_heads, self.head_dim)
         names = ("embed", "heads", "kv")
         q = dense(hd, names, name="query", dtype=self.dtype, use_bias=self.qkv_bias)(x_q)

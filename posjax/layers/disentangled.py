@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.layers import positions
-from posjax.layers.attention import (attention_weights, combine_heads, content_logits, dense)
+from posjax.layers.attention import (attention_weights, check_attention_inputs, combine_heads,
+                                    content_logits, dense)
 from posjax.layers.dropout import Dropout
 
 Array = jax.Array
@@ -166,7 +167,18 @@ class DisentangledAttention(nn.Module):
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, rel_table: Array, mask: Array | None = None,
                  query_positions: Array | None = None, train: bool = False) -> Array:
-        """x_q: (B, Lq, H); x_kv: (B, Lk, H); rel_table: (A·2k, H) -> (B, Lq, H)."""
+        """x_q: (B, Lq, H); x_kv: (B, Lk, H); rel_table: (A·2k, H) with A = 1 (text) or 2
+        (grid axes); mask bool (B, 1|h, Lq|1, Lk); query_positions (B or 1, Lq), required when
+        Lq != Lk (the key index of each query) -> (B, Lq, H)."""
+        check_attention_inputs(x_q, x_kv, mask)
+        axes = 1 if self.grid is None else 2
+        if rel_table.ndim != 2 or rel_table.shape[0] != axes * 2 * self.span:
+            raise ValueError(f"rel_table {tuple(rel_table.shape)} must have {axes}·2·span = "
+                             f"{axes * 2 * self.span} rows (span={self.span}, {axes} position "
+                             "axis(es))")
+        if query_positions is None and x_q.shape[1] != x_kv.shape[1]:
+            raise ValueError(f"x_q has {x_q.shape[1]} queries and x_kv {x_kv.shape[1]} keys: "
+                             "give query_positions (B or 1, Lq), each query's key index")
         hd = (self.num_heads, self.head_dim)
         names = ("embed", "heads", "kv")
         query = dense(hd, names, name="query", dtype=self.dtype)

@@ -53,6 +53,9 @@ class TupePositionBias(nn.Module):
 
     @nn.compact
     def __call__(self, length: int) -> Array:
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds max_len={self.max_len} positions of the "
+                             "table: truncate the inputs or enlarge the table")
         hidden = self.num_heads * self.head_dim
         table = self.param("position_embeddings", nn.with_logical_partitioning(
             DEFAULT_INIT, ("pos", "embed")), (self.max_len + 1, hidden), jnp.float32)

@@ -83,7 +83,9 @@ def t5_bucket_matrix(length: int, num_buckets: int, max_distance: int, untie_cls
         rows, cols = grid_coordinates(grid)
         axes = [np.concatenate([np.zeros(offset, np.int64), rows]),
                 np.concatenate([np.zeros(offset, np.int64), cols])]
-        assert len(axes[0]) == length, (len(axes[0]), length)
+        if len(axes[0]) != length:
+            raise ValueError(f"length {length} does not fit grid {grid[0]}x{grid[1]}: it needs "
+                             f"{len(axes[0])} tokens ({offset} [CLS] + {len(rows)} patches)")
     out = []
     for p in axes:
         b = t5_relative_bucket(p[None, :] - p[:, None], num_buckets, max_distance)

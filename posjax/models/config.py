@@ -6,6 +6,7 @@ bad configuration fails before anything is traced or compiled.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
 
 TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "deberta", "deberta_v2")
@@ -20,6 +21,21 @@ def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{field}={value!r} is not valid: {allowed}")
 
 
+_KINDS = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a number"),
+          "bool": (bool, "True or False"), "str": (str, "a string")}
+
+
+def _check_types(c: Any) -> None:
+    """Every int / float / bool / str field holds a value of that kind (a bool is no number)."""
+    for f in dataclasses.fields(c):
+        kind = _KINDS.get(f.type if isinstance(f.type, str) else f.type.__name__)
+        if kind is None:
+            continue
+        value = getattr(c, f.name)
+        ok = isinstance(value, kind[0]) and (f.type == "bool" or not isinstance(value, bool))
+        _check(ok, f.name, value, f"must be {kind[1]}")
+
+
 def _att_types(value: str | tuple[str, ...]) -> tuple[str, ...]:
     """pos_att_type as a tuple; a string is split on '|' or ',' ("c2p|p2c", as HF writes it)."""
     if isinstance(value, str):
@@ -28,6 +44,7 @@ def _att_types(value: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None:
+    _check_types(c)
     _check(c.position_scheme in schemes, "position_scheme", c.position_scheme,
            f"choose one of {', '.join(schemes)}")
     for f in ("hidden_size", "num_heads", "num_layers", "mlp_dim"):
@@ -226,6 +243,11 @@ class ViTConfig:
             _check(self.pooling != "token", "pooling", self.pooling,
                    "DeBERTa relative positions are defined between patches only; "
                    "use pooling='gap' or 'map' (no [CLS] token)")
+        _check(self.num_channels > 0, "num_channels", self.num_channels, "must be > 0")
+        if self.resnet_layers:
+            _check(all(isinstance(n, int) and n > 0 for n in self.resnet_layers),
+                   "resnet_layers", self.resnet_layers, "block counts must be positive ints")
+            _check(self.resnet_width > 0, "resnet_width", self.resnet_width, "must be > 0")
         _check(self.num_classes >= 0, "num_classes", self.num_classes, "must be >= 0")
         _check(self.representation_size >= 0, "representation_size", self.representation_size,
                "must be >= 0")

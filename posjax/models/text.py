@@ -87,6 +87,28 @@ class TextEmbeddings(nn.Module):
         return self.word_embeddings.attend(x.astype(jnp.float32))
 
 
+def check_token_inputs(input_ids: Array, attention_mask: Array,
+                       token_type_ids: Array | None = None,
+                       masked_positions: Array | None = None) -> None:
+    """One ValueError naming the argument unless input_ids, attention_mask, token_type_ids are
+    (B, L) (ids of an integer dtype) and masked_positions is integer (B, M)."""
+    shape = tuple(input_ids.shape)
+    if len(shape) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids {shape} {input_ids.dtype} must be integer (B, L) ids")
+    named = {"attention_mask": attention_mask, "token_type_ids": token_type_ids}
+    for name, value in named.items():
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name} {tuple(value.shape)} must have the shape of input_ids "
+                             f"{shape}")
+    if token_type_ids is not None and not jnp.issubdtype(token_type_ids.dtype, jnp.integer):
+        raise ValueError(f"token_type_ids must be integer, not {token_type_ids.dtype}")
+    if masked_positions is not None and (
+            masked_positions.ndim != 2 or masked_positions.shape[0] != shape[0]
+            or not jnp.issubdtype(masked_positions.dtype, jnp.integer)):
+        raise ValueError(f"masked_positions {tuple(masked_positions.shape)} "
+                         f"{masked_positions.dtype} must be integer (B={shape[0]}, M) positions")
+
+
 class TextEncoder(nn.Module):
     """Embeddings + encoder. ``__call__`` returns the last hidden states (B, L, H)."""
 
@@ -100,6 +122,7 @@ class TextEncoder(nn.Module):
                train: bool) -> tuple[Array, Array | None, Array]:
         """(embedded tokens, raw absolute positions or None, bool token mask)."""
         cfg = self.cfg
+        check_token_inputs(input_ids, attention_mask, token_type_ids)
         if cfg.position_scheme in ("tupe_a", "tupe_r") and input_ids.shape[1] > cfg.max_position_embeddings:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings="
@@ -159,6 +182,7 @@ class TextForMaskedLM(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Array,
                  token_type_ids: Array | None = None, masked_positions: Array | None = None,
                  *, train: bool = False) -> Array:
+        check_token_inputs(input_ids, attention_mask, token_type_ids, masked_positions)
         layers, pos, token_mask = self.encoder.hidden_states(input_ids, attention_mask,
                                                              token_type_ids, train=train)
         if self.cfg.use_emd:

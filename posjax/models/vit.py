@@ -106,6 +106,8 @@ class ViT(nn.Module):
     def __call__(self, images: Array, *, train: bool = False) -> Array:
         cfg = self.cfg
         dtype = compute_dtype(cfg)
+        if images.ndim != 4:
+            raise ValueError(f"images {tuple(images.shape)} must be (B, H, W, C)")
         if tuple(images.shape[1:3]) != cfg.image_size or images.shape[3] != cfg.num_channels:
             raise ValueError(
                 f"images have shape {tuple(images.shape[1:])}, but image_size={cfg.image_size} "

@@ -110,7 +110,10 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh,
     """
     specs = nn.get_partition_spec(boxed_tree)
     mesh_specs = nn.logical_to_mesh(specs, rules)
-    shapes = nn.unbox(boxed_tree)
+    # Shapes only: no sharding constraint (nn.unbox would add one under logical_axis_rules).
+    shapes = jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+        boxed_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
     def fit(path, spec, leaf):
         return NamedSharding(mesh, _fit_spec(spec, tuple(leaf.shape), mesh,
