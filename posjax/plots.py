@@ -38,10 +38,21 @@ def _call_order(tree: dict) -> list[str]:
     return sorted(tree, key=key)
 
 
+def default_row_labels(maps: Sequence[np.ndarray]) -> list[str]:
+    """'layer k' per map; the trailing maps with fewer query rows than the first (DeBERTa's
+    enhanced mask decoder at masked positions) are 'EMD pass k'."""
+    decoder = [m.shape[2] < maps[0].shape[2] for m in maps]
+    first = decoder.index(True) if any(decoder) else len(maps)
+    return [f"layer {r}" if r < first else f"EMD pass {r - first}" for r in range(len(maps))]
+
+
 def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, example: int = 0,
                        max_heads: int = 8, tokens: Sequence[str] | None = None,
-                       title: str = "") -> pathlib.Path:
-    """Draw one example's maps as a grid (rows: layers, columns: heads) into ``path`` (PNG)."""
+                       title: str = "", row_labels: Sequence[str] | None = None
+                       ) -> pathlib.Path:
+    """Draw one example's maps as a grid (rows: layers, columns: heads) into ``path`` (PNG).
+
+    Rows are labelled ``row_labels`` (default: ``default_row_labels``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -49,6 +60,9 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
     if not maps:
         raise ValueError("maps is empty: the model sowed no attention weights")
     rows = len(maps)
+    row_labels = default_row_labels(maps) if row_labels is None else list(row_labels)
+    if len(row_labels) != rows:
+        raise ValueError(f"row_labels has {len(row_labels)} labels for {rows} maps")
     cols = min(maps[0].shape[1], max_heads)
     fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.2 * rows), squeeze=False)
     for r, m in enumerate(maps):
@@ -60,7 +74,7 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
             if r == 0:
                 ax.set_title(f"head {c}", fontsize=8)
             if c == 0:
-                ax.set_ylabel(f"layer {r}", fontsize=8)
+                ax.set_ylabel(row_labels[r], fontsize=8)
     if tokens is not None and len(tokens) <= 32:
         ax = axes[-1][0]
         ax.set_xticks(range(len(tokens)))

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax import TextConfig, TextForMaskedLM, ViT, ViTConfig
-from posjax.plots import attention_maps, save_attention_png
+from posjax.plots import attention_maps, default_row_labels, save_attention_png
 
 
 def test_text_attention_maps_and_png(tmp_path):
@@ -21,7 +21,9 @@ def test_text_attention_maps_and_png(tmp_path):
     assert [m.shape for m in maps] == [(2, 2, 10, 10)] * 3 + [(2, 2, 2, 10)] * 2
     np.testing.assert_allclose(maps[0][1, :, :6].sum(-1), 1.0, rtol=1e-5)
     assert np.all(maps[0][1, :, :, 6:] == 0)   # padded keys get no weight
-    png = save_attention_png(maps[:3], tmp_path / "attention.png", example=1)
+    assert default_row_labels(maps) == ["layer 0", "layer 1", "layer 2", "EMD pass 0",
+                                        "EMD pass 1"]
+    png = save_attention_png(maps, tmp_path / "attention.png", example=1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
