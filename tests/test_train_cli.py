@@ -146,6 +146,44 @@ def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path):
         in done.stdout
 
 
+CTRL_C_WHILE_BUSY = """
+import time
+from posjax.data.common import signals_to_receiver_thread
+from posjax.training.checkpoint import StopRequest
+with signals_to_receiver_thread(), StopRequest() as stop:
+    print("ready", flush=True)
+    time.sleep(float(__import__("sys").argv[1]))   # the main thread busy, as in a compile
+print("finished, stop requested:", stop.requested, flush=True)
+"""
+
+
+def test_ctrl_c_while_the_main_thread_is_busy(tmp_path):
+    """As in train(): signals reach the receiver thread. One Ctrl-C is seen at once and only
+    asks for a stop; a second aborts at once (status 130), not when the busy call returns."""
+    def run(busy_s: str, presses: int) -> tuple[subprocess.CompletedProcess, float]:
+        proc = subprocess.Popen([sys.executable, "-c", CTRL_C_WHILE_BUSY, busy_s], cwd=ROOT,
+                                env=_env(), text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        assert proc.stdout.readline() == "ready\n"
+        start = time.monotonic()
+        for _ in range(presses):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), \
+            time.monotonic() - start
+
+    once, _ = run("3", 1)
+    assert once.returncode == 0, once.stderr[-2000:]
+    assert once.stdout == "finished, stop requested: True\n"
+    assert "SIGINT: will save a checkpoint after the current step and exit; Ctrl-C again " \
+           "aborts without saving" in once.stderr
+    twice, seconds = run("30", 2)
+    assert twice.returncode == 130, twice.stdout + twice.stderr[-2000:]
+    assert twice.stderr.rstrip().endswith("aborted by Ctrl-C") and seconds < 15
+    assert "finished" not in twice.stdout
+
+
 def _group_members(pgid: int) -> list[str]:
     """Live (not zombie) processes of process group ``pgid``, as 'pid command' lines."""
     out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True,

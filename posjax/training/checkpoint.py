@@ -10,8 +10,11 @@ multi-process via JAX's preemption sync point, so every process saves the same s
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import signal
+import sys
+import threading
 from typing import Any
 
 import grain
@@ -21,34 +24,72 @@ import orbax.checkpoint as ocp
 
 class StopRequest:
     """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to save after the
-    current step and stop (``requested``); a second Ctrl-C aborts at once (KeyboardInterrupt).
+    current step and stop (``requested``); a second Ctrl-C aborts at once, status 130.
 
-    Single process only; with several, nothing is installed: JAX's preemption service owns
-    SIGTERM (``Checkpointer.reached_preemption``), and Ctrl-C keeps Python's default, since a
-    stop on one host alone would leave the others waiting in a collective."""
+    Single process, main thread only; with several processes nothing is installed: JAX's
+    preemption service owns SIGTERM (``Checkpointer.reached_preemption``), and Ctrl-C keeps
+    Python's default, since a stop on one host alone would leave the others waiting in a
+    collective. A signal the process ignores (``nohup``, a background job) stays ignored.
+
+    Python runs signal handlers in the main thread between bytecodes, late when it is busy in a
+    compile or a wait, and two signals that arrive meanwhile make one call. So each signal is
+    also written to a wakeup pipe (``signal.set_wakeup_fd``) that a watcher thread reads: it
+    sees every press at once."""
 
     def __init__(self):
         self.requested = False
+        self._lock = threading.Lock()
         self._previous: dict[int, Any] = {}
+        self._previous_fd: int | None = None
+        self._pipe: tuple[int, int] | None = None
 
     def __enter__(self) -> "StopRequest":
-        if jax.process_count() == 1:
-            for signum in (signal.SIGTERM, signal.SIGINT):
+        if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) != signal.SIG_IGN:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._pipe = os.pipe()
+        os.set_blocking(self._pipe[1], False)
+        self._previous_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(self._pipe[0],), name="stop-request",
+                         daemon=True).start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._pipe[1])    # the watcher reads end-of-file and ends
+            self._pipe = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.requested:
-            raise KeyboardInterrupt
+        """Python's handler (main thread); the watcher has usually acted already."""
+        self._request(signum)
+
+    def _watch(self, read_fd: int) -> None:
+        interrupts = 0
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while byte := pipe.read(1):
+                signum = byte[0]
+                if signum == signal.SIGINT:
+                    interrupts += 1
+                    if interrupts >= 2:
+                        print("aborted by Ctrl-C", file=sys.stderr, flush=True)
+                        os._exit(130)
+                if signum in self._previous:
+                    self._request(signum)
+
+    def _request(self, signum: int) -> None:
+        with self._lock:    # the watcher and the main thread both see each signal
+            if self.requested:
+                return
+            self.requested = True
         again = "; Ctrl-C again aborts without saving" if signum == signal.SIGINT else ""
         logging.warning("%s: will save a checkpoint after the current step and exit%s",
                         signal.Signals(signum).name, again)
-        self.requested = True
 
 
 class Checkpointer:
