@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/vit_digits.py:tiny"]
 
@@ -111,39 +113,44 @@ from posjax.training import loop, state as state_lib
 sys.path.insert(0, "configs")
 import vit_digits
 
-init_state = state_lib.init_state
-def init_then_sigterm(*args, **kwargs):   # the signal arrives while the state is being built
-    state = init_state(*args, **kwargs)
+workdir, where = sys.argv[1], sys.argv[2]
+module = {"prepare": loop, "init_state": state_lib}[where]
+original = getattr(module, where)
+def then_sigterm(*args, **kwargs):   # the signal arrives during this step of the set-up
+    result = original(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.5)
-    return state
-state_lib.init_state = init_then_sigterm
+    return result
+setattr(module, where, then_sigterm)
 config = vit_digits.get_config("tiny")
 config.num_steps = 3
-stopped = loop.train(config, sys.argv[1])
-print("first:", stopped.step, stopped.preempted, os.listdir(sys.argv[1] + "/checkpoints"),
-      flush=True)
+stopped = loop.train(config, workdir)
+saved = os.listdir(workdir + "/checkpoints") if os.path.exists(workdir) else "no workdir"
+print("first:", stopped.step, stopped.preempted, saved, flush=True)
 try:
-    loop.evaluate(config, sys.argv[1])
+    loop.evaluate(config, workdir)
 except ValueError as e:
     print("eval:", e, flush=True)
-state_lib.init_state = init_state
-finished = loop.train(config, sys.argv[1])
+setattr(module, where, original)
+finished = loop.train(config, workdir)
 print("second:", finished.step, finished.preempted, flush=True)
 """
 
 
-def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path):
-    """SIGTERM before the first step (data, init, restore): no crash, nothing saved (eval.py
-    says so), and the same command trains afterwards."""
+@pytest.mark.parametrize("where", ["prepare", "init_state"])
+def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path, where):
+    """SIGTERM before the first step: no crash, nothing saved (before the workdir is written
+    when it comes that early), and the same command trains afterwards."""
     workdir = tmp_path / "run"
-    done = _run("-c", SIGTERM_DURING_SETUP, str(workdir))
+    done = _run("-c", SIGTERM_DURING_SETUP, str(workdir), where)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "SIGTERM: will save a checkpoint after the current step and exit" in done.stderr
     lines = done.stdout.splitlines()
-    assert "first: 0 True []" in lines and "second: 3 False" in lines, done.stdout[-2000:]
-    assert f"eval: {workdir / 'checkpoints'} holds no saved step yet: train there first" \
-        in done.stdout
+    saved = "no workdir" if where == "prepare" else "[]"
+    assert f"first: 0 True {saved}" in lines and "second: 3 False" in lines, done.stdout
+    if where == "init_state":
+        assert f"eval: {workdir / 'checkpoints'} holds no saved step yet: train there first" \
+            in done.stdout
 
 
 CTRL_C_WHILE_BUSY = """

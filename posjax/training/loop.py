@@ -533,6 +533,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         run = prepare(config, workdir, training=True)
         # Data errors (and data that does not fit the model) before anything is written.
         pipe = run.make_pipeline("train", config.batch_size, True)
+        if stop.requested:   # before anything is written
+            return _stopped_in_set_up(run)
         run.workdir.mkdir(parents=True, exist_ok=True)
         if run.is_main:
             write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
@@ -543,6 +545,13 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             return _train(run, checkpointer, pipe.iterator, stop_after)
         finally:
             checkpointer.close()
+
+
+def _stopped_in_set_up(run: Run) -> TrainResult:
+    """A stop requested before the first step of this run: nothing new to save."""
+    steps = saved_steps(run.workdir)
+    logging.warning("stopped before the first step of this run; rerun to resume")
+    return TrainResult(steps[-1] if steps else 0, True, {})
 
 
 def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -573,9 +582,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
-    if checkpointer.stop and checkpointer.stop.requested:   # during set-up: nothing new to save
-        logging.warning("stopped before the first step of this run; rerun to resume")
-        return TrainResult(start, True, {})
+    if checkpointer.stop and checkpointer.stop.requested:   # nothing new to save
+        return _stopped_in_set_up(run)
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
                                            task.dummy_batch(1), config.microbatches)
     eval_step = steps_lib.make_eval_step(task, run.model)
@@ -729,16 +737,16 @@ def _config_error_exit(error: Exception, argv: list[str]):
     while error.args and isinstance(error.args[0], Exception):   # AttributeError(KeyError(..))
         error = error.args[0]
     message = str(error.args[0]) if error.args else str(error)
-    if not isinstance(error, (KeyError, AttributeError)):
-        hint = ("; a run's config.json is loaded with --config configs/saved.py:WORKDIR"
-                if any(a.endswith(".json") or ".json:" in a for a in argv) else "")
-        sys.exit(f"error: cannot load {given}: {type(error).__name__}: {message}{hint}")
-    if "get_config" in message:
-        sys.exit(f"error: cannot load {given}: the file defines no get_config()")
     leaf, _, suggestion = message.partition("\n")
     leaf = leaf.strip("'\"")
     keys = [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
-    key = next((k for k in keys if k.rsplit(".", 1)[-1] == leaf), leaf)
+    key = next((k for k in keys if leaf in k.split(".")), None)
+    if isinstance(error, AttributeError) and "get_config" in message:
+        sys.exit(f"error: cannot load {given}: the file defines no get_config()")
+    if not isinstance(error, (KeyError, AttributeError)) or key is None:
+        hint = ("; a run's config.json is loaded with --config configs/saved.py:WORKDIR"
+                if any(a.endswith(".json") or ".json:" in a for a in argv) else "")
+        sys.exit(f"error: cannot load {given}: {type(error).__name__}: {message}{hint}")
     fix = suggestion.strip() or "check the spelling against the config file"
     sys.exit(f"error: unknown config key {key!r} in {_config_args(argv)}: the config has no "
              f"such field ({fix})")
