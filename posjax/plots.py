@@ -38,12 +38,20 @@ def _call_order(tree: dict) -> list[str]:
     return sorted(tree, key=key)
 
 
-def default_row_labels(maps: Sequence[np.ndarray]) -> list[str]:
-    """'layer k' per map; the trailing maps with fewer query rows than the first (DeBERTa's
-    enhanced mask decoder at masked positions) are 'EMD pass k'."""
-    decoder = [m.shape[2] < maps[0].shape[2] for m in maps]
-    first = decoder.index(True) if any(decoder) else len(maps)
-    return [f"layer {r}" if r < first else f"EMD pass {r - first}" for r in range(len(maps))]
+def attention_labels(model: nn.Module, count: int) -> list[str]:
+    """Row labels for the ``count`` maps ``attention_maps(model, ...)`` returned: 'layer k' for
+    the encoder layers, then 'MAP head' (ViT ``pooling='map'``) or 'EMD pass k' (DeBERTa's
+    enhanced mask decoder, ``use_emd``: two passes through the last layer)."""
+    cfg = getattr(model, "cfg", None)
+    layers = min(getattr(cfg, "num_layers", count), count)
+    extra = count - layers
+    if getattr(cfg, "pooling", None) == "map":
+        after = ["MAP head"] * extra
+    elif getattr(cfg, "use_emd", False):
+        after = [f"EMD pass {k}" for k in range(extra)]
+    else:
+        after = [f"attention {layers + k}" for k in range(extra)]
+    return [f"layer {k}" for k in range(layers)] + after
 
 
 def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, example: int = 0,
@@ -52,7 +60,8 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
                        ) -> pathlib.Path:
     """Draw one example's maps as a grid (rows: layers, columns: heads) into ``path`` (PNG).
 
-    Rows are labelled ``row_labels`` (default: ``default_row_labels``)."""
+    Rows are labelled ``row_labels`` (``attention_labels(model, len(maps))``), by default
+    'layer k'."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -60,7 +69,7 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
     if not maps:
         raise ValueError("maps is empty: the model sowed no attention weights")
     rows = len(maps)
-    row_labels = default_row_labels(maps) if row_labels is None else list(row_labels)
+    row_labels = [f"layer {k}" for k in range(rows)] if row_labels is None else list(row_labels)
     if len(row_labels) != rows:
         raise ValueError(f"row_labels has {len(row_labels)} labels for {rows} maps")
     cols = min(maps[0].shape[1], max_heads)

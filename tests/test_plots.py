@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax import TextConfig, TextForMaskedLM, ViT, ViTConfig
-from posjax.plots import attention_maps, default_row_labels, save_attention_png
+from posjax.plots import attention_labels, attention_maps, save_attention_png
 
 
 def test_text_attention_maps_and_png(tmp_path):
@@ -21,9 +21,9 @@ def test_text_attention_maps_and_png(tmp_path):
     assert [m.shape for m in maps] == [(2, 2, 10, 10)] * 3 + [(2, 2, 2, 10)] * 2
     np.testing.assert_allclose(maps[0][1, :, :6].sum(-1), 1.0, rtol=1e-5)
     assert np.all(maps[0][1, :, :, 6:] == 0)   # padded keys get no weight
-    assert default_row_labels(maps) == ["layer 0", "layer 1", "layer 2", "EMD pass 0",
-                                        "EMD pass 1"]
-    png = save_attention_png(maps, tmp_path / "attention.png", example=1)
+    labels = attention_labels(model, len(maps))
+    assert labels == ["layer 0", "layer 1", "layer 2", "EMD pass 0", "EMD pass 1"]
+    png = save_attention_png(maps, tmp_path / "attention.png", example=1, row_labels=labels)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -39,3 +39,14 @@ def test_vit_attention_maps_in_layer_order():
     _, state = model.apply(variables, x, mutable=["intermediates"])
     last = state["intermediates"]["encoder"]["layer_10"]
     np.testing.assert_array_equal(maps[-1], np.asarray(last["attention"]["attention_weights"][0]))
+
+
+def test_map_head_attention_is_labelled():
+    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_heads=2,
+                    num_layers=2, mlp_dim=32, num_classes=3, pooling="map")
+    model = ViT(cfg)
+    images = jnp.zeros((1, 8, 8, 1))
+    maps = attention_maps(model, model.init(jax.random.PRNGKey(0), images), images)
+    assert [m.shape for m in maps] == [(1, 2, 4, 4)] * 2 + [(1, 2, 1, 4)]
+    assert attention_labels(model, len(maps)) == ["layer 0", "layer 1", "MAP head"]
+
