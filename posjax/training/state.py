@@ -137,15 +137,13 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     # The encoder is what a pretrained model is for: a head or a bias that happens to fit
     # alone does not make a checkpoint usable.
     encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
+    saved_cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
     if any(key in shapes and _fit(key, shapes[key].shape, target[key].shape, grid,
-                                  num_prefix_tokens) for key in encoder):
+                                  num_prefix_tokens, saved_cfg) for key in encoder):
         return
-    scheme = ""
-    if cfg_file.exists():
-        saved_cfg = json.loads(cfg_file.read_text())
-        saved_cfg = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
-        if "position_scheme" in saved_cfg:
-            scheme = f" (its position_scheme is {saved_cfg['position_scheme']!r})"
+    model_cfg = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
+    scheme = (f" (its position_scheme is {model_cfg['position_scheme']!r})"
+              if "position_scheme" in model_cfg else "")
     raise ValueError(
         f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
         f"encoder{scheme}: give config.model the pretrained model's "
@@ -153,15 +151,20 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
 
 
 def _fit(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
-         grid: tuple[int, int] | None, num_prefix_tokens: int) -> str | None:
-    """'same' (loaded as is), 'resample' (a patch-position table of another grid, resampled
-    to ``grid``) or None (keeps its init)."""
+         grid: tuple[int, int] | None, num_prefix_tokens: int,
+         pretrained_config: dict[str, Any]) -> tuple[int, int] | str | None:
+    """'same' (loaded as is), the saved grid of a patch-position table to resample to
+    ``grid``, or None (keeps its init; also a table whose saved grid cannot be told)."""
     if tuple(saved_shape) == tuple(shape):
         return "same"
-    if grid is not None and _patch_table_prefix(key, num_prefix_tokens) is not None \
-            and len(saved_shape) == len(shape) and saved_shape[-1] == shape[-1]:
-        return "resample"
-    return None
+    prefix = _patch_table_prefix(key, num_prefix_tokens)
+    if grid is None or prefix is None or len(saved_shape) != len(shape) \
+            or saved_shape[-1] != shape[-1]:
+        return None
+    try:
+        return _grid(pretrained_config, saved_shape[-2] - prefix)
+    except ValueError:   # e.g. a [CLS] row in the checkpoint and none here
+        return None
 
 
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
@@ -255,14 +258,14 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
                          "no pre_logits (or the reverse); keeps its init")
             return fresh
         old = loaded[key]
-        fit = _fit(key, old.shape, fresh.shape, grid, num_prefix_tokens)
+        fit = _fit(key, old.shape, fresh.shape, grid, num_prefix_tokens, pretrained_config)
         if fit == "same":
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
-        if fit == "resample":
-            prefix = _patch_table_prefix(key, num_prefix_tokens)
-            old_grid = _grid(pretrained_config, old.shape[-2] - prefix)
+        if fit is not None:
+            old_grid = fit
             table = resample_position_table(jnp.asarray(old), old_grid, grid,
-                                            num_prefix_tokens=prefix)
+                                            num_prefix_tokens=_patch_table_prefix(
+                                                key, num_prefix_tokens))
             notes.append(f"{key}: resampled grid {old_grid} -> {grid}")
             return jax.device_put(table.astype(fresh.dtype), flat_shardings[key])
         notes.append(f"{key}: shape {tuple(old.shape)} in the checkpoint, "
