@@ -25,6 +25,10 @@ _KINDS = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a nu
           "bool": (bool, "True or False"), "str": (str, "a string")}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_types(c: Any) -> None:
     """Every int / float / bool / str field holds a value of that kind (a bool is no number)."""
     for f in dataclasses.fields(c):
@@ -48,8 +52,7 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
     _check(c.position_scheme in schemes, "position_scheme", c.position_scheme,
            f"choose one of {', '.join(schemes)}")
     for f in ("hidden_size", "num_heads", "num_layers", "mlp_dim"):
-        _check(isinstance(getattr(c, f), int) and getattr(c, f) > 0, f, getattr(c, f),
-               "must be a positive integer")
+        _check(getattr(c, f) > 0, f, getattr(c, f), "must be a positive integer")
     _check(c.hidden_size % c.num_heads == 0, "hidden_size", c.hidden_size,
            f"must be divisible by num_heads={c.num_heads}")
     _check(c.hidden_act in ACTIVATIONS, "hidden_act", c.hidden_act,
@@ -223,10 +226,11 @@ class ViTConfig:
     def __post_init__(self) -> None:
         for f in ("image_size", "patch_size"):
             v = getattr(self, f)
-            v = (v, v) if isinstance(v, int) else tuple(v)
-            object.__setattr__(self, f, v)
-            _check(len(v) == 2 and all(isinstance(s, int) and s > 0 for s in v), f, v,
+            v = (v, v) if isinstance(v, numbers.Integral) else v
+            _check(isinstance(v, (tuple, list)) and len(v) == 2
+                   and all(_is_int(s) and s > 0 for s in v), f, v,
                    "must be a positive int or a pair (height, width)")
+            object.__setattr__(self, f, tuple(int(s) for s in v))
         object.__setattr__(self, "pos_att_type", _att_types(self.pos_att_type))
         object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
         if self.max_relative_positions == 0:
@@ -245,7 +249,7 @@ class ViTConfig:
                    "use pooling='gap' or 'map' (no [CLS] token)")
         _check(self.num_channels > 0, "num_channels", self.num_channels, "must be > 0")
         if self.resnet_layers:
-            _check(all(isinstance(n, int) and n > 0 for n in self.resnet_layers),
+            _check(all(_is_int(n) and n > 0 for n in self.resnet_layers),
                    "resnet_layers", self.resnet_layers, "block counts must be positive ints")
             _check(self.resnet_width > 0, "resnet_width", self.resnet_width, "must be > 0")
         _check(self.num_classes >= 0, "num_classes", self.num_classes, "must be >= 0")

@@ -88,10 +88,9 @@ class TextEmbeddings(nn.Module):
 
 
 def check_token_inputs(input_ids: Array, attention_mask: Array,
-                       token_type_ids: Array | None = None,
-                       masked_positions: Array | None = None) -> None:
+                       token_type_ids: Array | None = None) -> None:
     """One ValueError naming the argument unless input_ids, attention_mask, token_type_ids are
-    (B, L) (ids of an integer dtype) and masked_positions is integer (B, M)."""
+    (B, L), ids of an integer dtype."""
     shape = tuple(input_ids.shape)
     if len(shape) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(f"input_ids {shape} {input_ids.dtype} must be integer (B, L) ids")
@@ -102,11 +101,15 @@ def check_token_inputs(input_ids: Array, attention_mask: Array,
                              f"{shape}")
     if token_type_ids is not None and not jnp.issubdtype(token_type_ids.dtype, jnp.integer):
         raise ValueError(f"token_type_ids must be integer, not {token_type_ids.dtype}")
+
+
+def check_masked_positions(masked_positions: Array | None, batch: int) -> None:
+    """One ValueError unless masked_positions is None or integer (B, M)."""
     if masked_positions is not None and (
-            masked_positions.ndim != 2 or masked_positions.shape[0] != shape[0]
+            masked_positions.ndim != 2 or masked_positions.shape[0] != batch
             or not jnp.issubdtype(masked_positions.dtype, jnp.integer)):
         raise ValueError(f"masked_positions {tuple(masked_positions.shape)} "
-                         f"{masked_positions.dtype} must be integer (B={shape[0]}, M) positions")
+                         f"{masked_positions.dtype} must be integer (B={batch}, M) positions")
 
 
 class TextEncoder(nn.Module):
@@ -182,7 +185,7 @@ class TextForMaskedLM(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Array,
                  token_type_ids: Array | None = None, masked_positions: Array | None = None,
                  *, train: bool = False) -> Array:
-        check_token_inputs(input_ids, attention_mask, token_type_ids, masked_positions)
+        check_masked_positions(masked_positions, input_ids.shape[0])
         layers, pos, token_mask = self.encoder.hidden_states(input_ids, attention_mask,
                                                              token_type_ids, train=train)
         if self.cfg.use_emd:

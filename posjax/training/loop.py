@@ -118,8 +118,9 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
 
 def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
-    program with 'error: …' and status 1, an abort by Ctrl-C with one line and status 130. With several processes every failure ends this
-    process at once (``os._exit`` after printing): a normal exit would wait at JAX's shutdown
+    program with 'error: …' and status 1, an abort by Ctrl-C with one line and status 130.
+    With several processes every failure ends this process at once (``os._exit`` after
+    printing): a normal exit would wait at JAX's shutdown
     barrier for the other processes, which sit in a collective waiting for this one (minutes,
     then an abort). Ending at once makes their collectives fail, so they end too."""
     try:
@@ -730,8 +731,9 @@ def _config_error_exit(error: Exception, argv: list[str]):
     """Exit with one ``error:`` line for a config file that cannot be loaded or overridden.
 
     ml_collections reports an unknown override key as a KeyError (maybe inside an
-    AttributeError) whose argument is the leaf name, maybe followed by a 'Did you mean ...' line; the whole dotted
-    key is taken from the matching ``--config.a.b=v`` argument."""
+    AttributeError) whose argument is the leaf name, maybe followed by a 'Did you mean ...'
+    line; the whole dotted key is taken from the matching ``--config.a.b=v`` argument. Any
+    other error is the config file's own."""
     import sys
     given = f"the config given by {_config_args(argv)}"
     while error.args and isinstance(error.args[0], Exception):   # AttributeError(KeyError(..))
@@ -779,7 +781,8 @@ def define_config_flag(default: str | None, help_text: str) -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flags parser for train.py / eval.py: a bad ``--config`` (missing or broken file,
-    unknown key, wrong type) ends with one ``error:`` line and exit status 1 instead of a traceback."""
+    unknown key, wrong type) ends with one ``error:`` line and exit status 1, not a
+    traceback."""
     import sys
 
     from absl import flags
