@@ -468,7 +468,7 @@ def test_bad_config_errors_name_the_split_files(shared_data, tmp_path):
         validate_data_config(cfg)
     cfg = indexed_npz(tmp_path)
     cfg.mean = (0.5, 0.5, 0.5)  # the npz images have one channel
-    with pytest.raises(ValueError, match="data.mean=.*1 channels"):
+    with pytest.raises(ValueError, match=r"data.mean=.*give 1 value each .*have 1 channel\)"):
         make_image_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
     with pytest.raises(ValueError, match="shard_index=2, shard_count=2"):
         make_image_pipeline(default_data_config("digits"), split="train", batch_size=2,

@@ -363,8 +363,9 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     height, width, channels = source.image_shape
     size = cfg.image_size
     if len(cfg.mean) not in (1, channels) or len(cfg.std) not in (1, channels):
-        raise ValueError(f"data.mean={tuple(cfg.mean)!r}, data.std={tuple(cfg.std)!r}: give 1 "
-                         f"or {channels} values ({cfg.name} images have {channels} "
+        counts = "1 value" if channels == 1 else f"1 or {channels} values"
+        raise ValueError(f"data.mean={tuple(cfg.mean)!r}, data.std={tuple(cfg.std)!r}: give "
+                         f"{counts} each ({cfg.name} images have {channels} "
                          f"channel{'s' if channels != 1 else ''})")
     if len(selected) < shard_count:
         raise ValueError(f"data.{split}_split selects {len(selected)} examples, fewer than "
