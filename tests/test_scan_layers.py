@@ -137,6 +137,7 @@ def test_init_from_loads_across_layouts(unrolled, tmp_path, saved_scanned):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shardings = jax.tree.map(lambda _: replicated, target)
+    state_lib.check_init_from(folder, target)   # accepted from metadata, either layout
     loaded, model_cfg = state_lib.read_pretrained(folder, target, shardings)
     merged, notes = state_lib.merge_pretrained(target, loaded, shardings, model_cfg)
     assert notes == []   # every tensor found its place

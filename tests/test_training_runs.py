@@ -211,14 +211,7 @@ def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
     square one."""
     model = {"model.image_size": 16, "model.patch_size": 4, "model.position_scheme": scheme}
     source = syn.tiny_config(**model)
-    task = make_task(source)
-    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
-                                             task.dummy_batch(2)))
-    params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
-    export = tmp_path / "export"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(export / "params", {"params": params})
-    (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
+    params, export = _export(source, tmp_path)
 
     config = syn.tiny_config(**model, init_from=str(export))
     config.model = dict(config.model.to_dict(), image_size=(8, 16))
@@ -243,14 +236,7 @@ def test_init_from_keeps_a_position_table_it_cannot_map(tmp_path):
     """[CLS] + 4x4 patches in the checkpoint, patches only here (pooling='gap'): the table is
     not resampled from a guessed grid; it keeps its init, the rest loads."""
     source = syn.tiny_config(**{"model.image_size": 16, "model.patch_size": 4})
-    task = make_task(source)
-    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
-                                             task.dummy_batch(2)))
-    params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
-    export = tmp_path / "export"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(export / "params", {"params": params})
-    (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
+    params, export = _export(source, tmp_path)
     config = syn.tiny_config(**{"model.pooling": "gap", "init_from": str(export)})
     run = loop.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
@@ -260,6 +246,20 @@ def test_init_from_keeps_a_position_table_it_cannot_map(tmp_path):
     np.testing.assert_array_equal(loaded["pos_embedding"], fresh["pos_embedding"])
     q = ("encoder", "layer_0", "attention", "query", "kernel")
     np.testing.assert_array_equal(_get(loaded, q), _get(params, q))
+
+
+def _export(source, tmp_path):
+    """(params, folder): a freshly initialised model of ``source`` saved as the converter
+    does (params/ + model_config.json)."""
+    task = make_task(source)
+    params = jax.device_get(task.init_params(task.build_model(), jax.random.PRNGKey(3),
+                                             task.dummy_batch(2)))
+    params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
+    export = tmp_path / "export"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(export / "params", {"params": params})
+    (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
+    return params, export
 
 
 def _get(tree, path):
