@@ -48,7 +48,7 @@ class StopRequest:
             return self
         for signum in (signal.SIGTERM, signal.SIGINT):
             if signal.getsignal(signum) != signal.SIG_IGN:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+                self._previous[signum] = signal.signal(signum, self._request)
         self._pipe = os.pipe()
         os.set_blocking(self._pipe[1], False)
         self._previous_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
@@ -65,10 +65,6 @@ class StopRequest:
             signal.signal(signum, handler)
         self._previous.clear()
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """Python's handler (main thread); the watcher has usually acted already."""
-        self._request(signum)
-
     def _watch(self, read_fd: int) -> None:
         interrupts = 0
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
@@ -82,8 +78,9 @@ class StopRequest:
                 if signum in self._previous:
                     self._request(signum)
 
-    def _request(self, signum: int) -> None:
-        with self._lock:    # the watcher and the main thread both see each signal
+    def _request(self, signum: int, frame: Any = None) -> None:
+        """Python's handler (main thread) and the watcher's action: both see each signal."""
+        with self._lock:
             if self.requested:
                 return
             self.requested = True

@@ -120,9 +120,9 @@ def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
     program with 'error: …' and status 1, an abort by Ctrl-C with one line and status 130.
     With several processes every failure ends this process at once (``os._exit`` after
-    printing): a normal exit would wait at JAX's shutdown
-    barrier for the other processes, which sit in a collective waiting for this one (minutes,
-    then an abort). Ending at once makes their collectives fail, so they end too."""
+    printing): a normal exit would wait at JAX's shutdown barrier for the other processes,
+    which sit in a collective waiting for this one (minutes, then an abort). Ending at once
+    makes their collectives fail, so they end too."""
     try:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)

@@ -137,9 +137,14 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     # The encoder is what a pretrained model is for: a head or a bias that happens to fit
     # alone does not make a checkpoint usable.
     encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
-    saved_cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-    if any(key in shapes and _fit(key, shapes[key].shape, target[key].shape, grid,
-                                  num_prefix_tokens, saved_cfg) for key in encoder):
+    saved_cfg = _pretrained_config(cfg_file)
+
+    def fits(key: str) -> bool:
+        saved_shape, shape = tuple(shapes[key].shape), tuple(target[key].shape)
+        return saved_shape == shape or _resampling(key, saved_shape, shape, grid,
+                                                   num_prefix_tokens, saved_cfg) is not None
+
+    if any(key in shapes and fits(key) for key in encoder):
         return
     model_cfg = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
     scheme = (f" (its position_scheme is {model_cfg['position_scheme']!r})"
@@ -150,21 +155,24 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
         f"architecture (see {cfg_file.name} there), or start without init_from")
 
 
-def _fit(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
-         grid: tuple[int, int] | None, num_prefix_tokens: int,
-         pretrained_config: dict[str, Any]) -> tuple[int, int] | str | None:
-    """'same' (loaded as is), the saved grid of a patch-position table to resample to
-    ``grid``, or None (keeps its init; also a table whose saved grid cannot be told)."""
-    if tuple(saved_shape) == tuple(shape):
-        return "same"
+def _resampling(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
+                grid: tuple[int, int] | None, num_prefix_tokens: int,
+                pretrained_config: dict[str, Any]) -> tuple[tuple[int, int], int] | None:
+    """(saved grid, rows before the patch rows) when the table saved as ``key`` is a
+    patch-position table to resample to ``grid``; None when it is not one, or its saved grid
+    cannot be told (it then keeps its init)."""
     prefix = _patch_table_prefix(key, num_prefix_tokens)
     if grid is None or prefix is None or len(saved_shape) != len(shape) \
             or saved_shape[-1] != shape[-1]:
         return None
     try:
-        return _grid(pretrained_config, saved_shape[-2] - prefix)
+        return _grid(pretrained_config, saved_shape[-2] - prefix), prefix
     except ValueError:   # e.g. a [CLS] row in the checkpoint and none here
         return None
+
+
+def _pretrained_config(cfg_file: pathlib.Path) -> dict[str, Any]:
+    return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
 
 
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
@@ -203,10 +211,7 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     # Either layer layout loads into either (scan_layers on one side only): restack.
     target_scanned = any("['layers']" in key for key in target)
     loaded = {"params": to_layout(loaded["params"], target_scanned)}
-    model_cfg = {}
-    if cfg_file.exists():
-        model_cfg = json.loads(cfg_file.read_text())
-    return _flatten(loaded["params"]), model_cfg
+    return _flatten(loaded["params"]), _pretrained_config(cfg_file)
 
 
 def encoder_rooted(loaded: dict[str, Any], model_keys: Any) -> dict[str, Any]:
@@ -258,14 +263,14 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
                          "no pre_logits (or the reverse); keeps its init")
             return fresh
         old = loaded[key]
-        fit = _fit(key, old.shape, fresh.shape, grid, num_prefix_tokens, pretrained_config)
-        if fit == "same":
+        if tuple(old.shape) == tuple(fresh.shape):
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
-        if fit is not None:
-            old_grid = fit
+        resampling = _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
+                                 pretrained_config)
+        if resampling is not None:
+            old_grid, prefix = resampling
             table = resample_position_table(jnp.asarray(old), old_grid, grid,
-                                            num_prefix_tokens=_patch_table_prefix(
-                                                key, num_prefix_tokens))
+                                            num_prefix_tokens=prefix)
             notes.append(f"{key}: resampled grid {old_grid} -> {grid}")
             return jax.device_put(table.astype(fresh.dtype), flat_shardings[key])
         notes.append(f"{key}: shape {tuple(old.shape)} in the checkpoint, "
