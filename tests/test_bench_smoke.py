@@ -183,3 +183,40 @@ def test_ab_imports_an_older_revision_as_its_own_package(tmp_path):
     assert old.__name__.startswith("posjax_before_") and old is not posjax
     assert old.TextConfig is not posjax.TextConfig
     assert old.layers.attention.__name__.startswith(old.__name__)   # imports rewritten
+
+
+def test_sharding_smoke_measures_the_partitioned_step(tmp_path, capsys):
+    """bench.sharding on the test process's 8 devices: our embedding lookup is not
+    rematerialised, and the step's temporaries and collectives are read back."""
+    from bench import sharding
+    out = tmp_path / "sharding.md"
+    assert sharding.main(["--smoke", "--out", str(out)]) == 0
+    assert out.read_text() == capsys.readouterr().out.rstrip("\n") + "\n"
+    row = next(line for line in out.read_text().splitlines() if "| working tree |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["BERT-A", "2×2×2", "working tree", "0"]
+    temp, *collectives, total = (float(c) for c in cells[4:])
+    assert temp > 0 and total > 0 and abs(sum(collectives) - total) <= 0.01 * total   # cells have 3 digits
+
+
+def test_collective_bytes_reads_sync_and_async_collectives():
+    from bench.sharding import collective_bytes
+    hlo = """
+  %all-gather = f32[4,8]{1,0} all-gather(f32[2,8]{1,0} %p), replica_groups={{0,1}}
+  %ars = (bf16[16]{0}, bf16[16]{0}) all-reduce-start(bf16[16]{0} %x), to_apply=%add
+  %a2a = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-to-all(f32[2,3]{1,0} %y, f32[2,3]{1,0} %z)
+  %add.1 = f32[4,8]{1,0} add(f32[4,8]{1,0} %all-gather, f32[4,8]{1,0} %all-gather)
+"""
+    assert collective_bytes(hlo) == {"all-gather": 128, "all-reduce": 32, "all-to-all": 48}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "12"], "--batch=12"),
+    (["--layers", "0"], "--layers=0"),
+    (["--out", "r.json"], "must end in .md"),
+    (["--before", "no-such-revision"], "neither a git revision"),
+])
+def test_sharding_bad_command_lines_fail_before_compiling(argv, message, capsys):
+    from bench import sharding
+    assert sharding.main(argv) == 2
+    assert message in capsys.readouterr().err

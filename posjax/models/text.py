@@ -22,6 +22,27 @@ def _embed(num: int, features: int, names: tuple[str, str], name: str) -> nn.Emb
                     embedding_init=nn.with_logical_partitioning(DEFAULT_INIT, names))
 
 
+def _lookup(table: nn.Embed, ids: Array) -> Array:
+    """E[ids]: (B, L) ids -> (B, L, E) rows, batch-sharded like the activations.
+
+    With the default rules the table is split along ``embed`` (fsdp) and ``vocab`` (tensor).
+    Each device takes the rows of its table slice for the ids of its whole fsdp group
+    (``lookup_batch``: the batch split over ``data`` only); one all-to-all over fsdp then trades
+    the ``embed`` split for the batch split. Left to itself, XLA's SPMD partitioner replicates
+    the whole (B, L, E) tensor on meshes with data and fsdp both > 1.
+    """
+    ids = nn.with_logical_constraint(ids, ("lookup_batch", "length"))
+    rows = nn.with_logical_constraint(jnp.take(table.embedding, ids, axis=0),
+                                      ("lookup_batch", "length", "embed"))
+    return nn.with_logical_constraint(rows, ("batch", "length", "embed"))
+
+
+def _lookup_small(table: nn.Embed, ids: Array) -> Array:
+    """E[ids] from a table of a few rows (token types), made whole first (a few KiB)."""
+    whole = nn.with_logical_constraint(table.embedding, (None, None))
+    return nn.with_logical_constraint(jnp.take(whole, ids, axis=0), ("batch", "length", "embed"))
+
+
 class TextEmbeddings(nn.Module):
     """x = LN(E_word[ids] (+ E_pos[i]) (+ E_type[t]) (-> embed_proj)); DeBERTa then zeroes pads.
 
@@ -60,7 +81,7 @@ class TextEmbeddings(nn.Module):
                  train: bool) -> tuple[Array, Array | None]:
         cfg = self.cfg
         length = input_ids.shape[1]
-        x = self.word_embeddings(input_ids)
+        x = _lookup(self.word_embeddings, input_ids)
         pos = None
         if self.has_position_table:
             if length > cfg.max_position_embeddings:
@@ -72,7 +93,7 @@ class TextEmbeddings(nn.Module):
                 x = x + pos
         if cfg.type_vocab_size:
             types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-            x = x + self.token_type_embeddings(types)
+            x = x + _lookup_small(self.token_type_embeddings, types)
         x = x.astype(compute_dtype(cfg))
         if cfg.input_embedding_size != cfg.hidden_size:
             x = self.embed_proj(x)

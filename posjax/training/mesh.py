@@ -22,6 +22,7 @@ BATCH_AXES = ("data", "fsdp")
 # (batch, length, embed) keep `embed` replicated while parameters shard it over fsdp.
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", BATCH_AXES),
+    ("lookup_batch", "data"),   # embedding rows looked up from an fsdp-split table
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
