@@ -169,3 +169,27 @@ def test_sharded_text_step_keeps_embeddings_batch_sharded(mesh_cfg, capfd):
     assert np.ptp(ref_losses) > 1e-3
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, atol=5e-4, rtol=0)
+
+
+def test_rules_without_lookup_batch_leave_the_lookup_to_xla():
+    """Our rules split the looked-up ids over `data`; rules that do not name `lookup_batch` add
+    no constraint on them (not a replicated one)."""
+    import jax.numpy as jnp
+    from posjax import TextConfig
+    from posjax.models.text import TextEmbeddings
+    module = TextEmbeddings(TextConfig(vocab_size=40, hidden_size=16, num_heads=2, num_layers=1,
+                                       mlp_dim=32, max_position_embeddings=8))
+    ids = jnp.zeros((8, 8), jnp.int32)
+    params = module.init(jax.random.PRNGKey(0), ids, ids, None, False)
+    mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    theirs = tuple(r for r in mesh_lib.LOGICAL_RULES if r[0] != "lookup_batch")
+    constraints = []
+    for rules in (mesh_lib.LOGICAL_RULES, theirs):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            text = jax.jit(lambda p, i: module.apply(p, i, i, None, False)).lower(
+                params, ids).as_text()
+        constraints.append([line for line in text.splitlines()
+                            if "sharding_constraint" in line and "tensor<8x8xi32>" in line])
+    ours, none = constraints
+    assert len(ours) == 1 and '[{"data"}, {}]' in ours[0]
+    assert none == []

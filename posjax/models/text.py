@@ -29,11 +29,13 @@ def _lookup(table: nn.Embed, ids: Array) -> Array:
     Each device takes the rows of its table slice for the ids of its whole fsdp group
     (``lookup_batch``: the batch split over ``data`` only); one all-to-all over fsdp then trades
     the ``embed`` split for the batch split. Left to itself, XLA's SPMD partitioner replicates
-    the whole (B, L, E) tensor on meshes with data and fsdp both > 1.
+    the whole (B, L, E) tensor on meshes with data and fsdp both > 1. Rules that do not name
+    ``lookup_batch`` leave the lookup to XLA.
     """
-    ids = nn.with_logical_constraint(ids, ("lookup_batch", "length"))
+    unless_ruled = nn.spmd.RulesFallback.NO_CONSTRAINT   # rules without lookup_batch: XLA's
+    ids = nn.with_logical_constraint(ids, ("lookup_batch", "length"), fallback=unless_ruled)
     rows = nn.with_logical_constraint(jnp.take(table.embedding, ids, axis=0),
-                                      ("lookup_batch", "length", "embed"))
+                                      ("lookup_batch", "length", "embed"), fallback=unless_ruled)
     return nn.with_logical_constraint(rows, ("batch", "length", "embed"))
 
 
