@@ -9,9 +9,11 @@ here before JAX starts) for each mesh (data × fsdp × tensor), and read back fr
   tensor to re-split it),
 - the per-device temporary memory of the compiled step (``memory_analysis``),
 - the per-device result bytes of every collective in the partitioned HLO, by kind.
-What the partitioner does depends on the mesh and the program, not on the host, so these are
-the collectives a pod slice of the same shape runs; XLA:CPU's buffer sizes are a guide to, not
-the value of, an accelerator's. With ``--before``, posjax at REV (or the ``posjax/`` inside the
+What the SPMD partitioner does depends on the mesh and the program, not on the host. Later
+backend passes do differ: TPU and GPU turn an all-reduce whose result is then sliced (the
+gradient of an fsdp-split parameter) into a reduce-scatter, XLA:CPU keeps the all-reduce. So the
+bytes are an upper bound for an accelerator, and XLA:CPU's buffer sizes a guide to, not the
+value of, its. Compare code versions, not hosts. With ``--before``, posjax at REV (or the ``posjax/`` inside the
 folder DIR) is measured too, in the same process.
 """
 from __future__ import annotations
