@@ -122,25 +122,28 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
 
 def run(variants: Sequence[tuple[str, Any]], models: Sequence[str], meshes, batch: int,
         width: int, layers: int, length: int, vocab: int | None = None) -> Table:
-    mib = 2.0 ** -20
-    rows = []
+    """One row per model × mesh × code variant; a column per collective kind that occurs."""
+    results = []
     for name in models:
         for shape in meshes:
             for label, package in variants:
                 r = analyse(package, MODELS[name], shape, batch, width, layers, length, vocab)
-                c = r["collectives"]
-                rows.append([name, "×".join(map(str, shape)), label, r["remat"], r["temp"] * mib,
-                             *(c.get(k, 0) * mib for k in KINDS), sum(c.values()) * mib])
-                print(f"{name} {shape} {label}: {rows[-1][3:]}", file=sys.stderr, flush=True)
-    return Table(f"Sharded MLM train step, {width} wide, {layers} layer{'s' * (layers != 1)}, batch {batch} × "
-                 f"{length}: per device", ["model", "data×fsdp×tensor", "code",
-                                           "full rematerializations", "temp MiB",
-                                           *(f"{k} MiB" for k in KINDS), "collectives MiB"],
-                 rows,
+                results.append((name, "×".join(map(str, shape)), label, r))
+                print(f"{name} {shape} {label}: {r}", file=sys.stderr, flush=True)
+    kinds = [k for k in KINDS if any(k in r["collectives"] for *_, r in results)]
+    mib = 2.0 ** -20
+    rows = [[name, mesh, label, r["remat"], r["temp"] * mib,
+             *(r["collectives"].get(k, 0) * mib for k in kinds),
+             sum(r["collectives"].values()) * mib] for name, mesh, label, r in results]
+    layer_word = "layer" if layers == 1 else "layers"
+    return Table(f"Sharded MLM train step, {width} wide, {layers} {layer_word}, batch {batch} × "
+                 f"{length}: per device",
+                 ["model", "data×fsdp×tensor", "code", "full rematerializations", "temp MiB",
+                  *(f"{k} MiB" for k in kinds), "collectives MiB"], rows,
                  ["Compile-only, 8 simulated host devices. full rematerializations = XLA SPMD "
                   "warnings that a whole tensor was replicated to be re-split. temp = XLA "
                   "memory_analysis().temp_size_in_bytes. Collective MiB = result bytes per "
-                  "device, summed over the partitioned step's collectives."])
+                  "device, summed over the partitioned step's collectives (kinds that occur)."])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
