@@ -334,6 +334,24 @@ def test_damaged_config_json_is_named_with_the_fix(tmp_path):
         loop.check_workdir(workdir, syn.tiny_config())
 
 
+def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
+    """Text recipes list every TextConfig field (--config.model.remat=True works); a run saved
+    when they listed only the set fields resumes, and a real model change is still refused."""
+    from posjax.training.text_recipes import mlm_config
+    config = mlm_config("bert_a", "tiny")
+    assert {"remat", "scan_layers", "gather"} <= set(config.model)
+    workdir = _checkpointed_workdir(tmp_path, config)
+    saved = json.loads((workdir / loop.CONFIG_FILE).read_text())
+    for field in ("remat", "scan_layers", "gather", "pooler_act", "embedding_size"):
+        del saved["model"][field]                       # at their defaults, as before
+    (workdir / loop.CONFIG_FILE).write_text(json.dumps(saved))
+    loop.check_workdir(workdir, config)
+    changed = config.copy_and_resolve_references()
+    changed.model.remat = True
+    with pytest.raises(ValueError, match="another config(.|\n)*model.remat: False -> True"):
+        loop.check_workdir(workdir, changed)
+
+
 def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path):
     path = tmp_path / "config.json"
     loop.write_json(path, {"a": 1})

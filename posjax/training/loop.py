@@ -257,6 +257,17 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any],
             for k in sorted(set(a) | set(b)) if not is_free(k) and a.get(k) != b.get(k)]
 
 
+def with_model_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its ``model`` section as the task's model config resolves it (every field,
+    defaults filled in): a run saved before its recipe listed every field then compares equal to
+    the same run listing the defaults. Unchanged when the task or model cannot be resolved."""
+    try:
+        model = make_task(ml_collections.ConfigDict(config)).model_config
+    except (ValueError, TypeError, AttributeError):
+        return config
+    return {**config, "model": json.loads(json.dumps(dataclasses.asdict(model)))}
+
+
 def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
     """The run's ``config.json`` as a dict; None when the workdir has none."""
     path = pathlib.Path(workdir).expanduser() / CONFIG_FILE
@@ -315,7 +326,8 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
     if saved is None:
         raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {CONFIG_FILE}: "
                          "it is not a posjax run directory; use a new --workdir")
-    diffs = config_differences(saved, config_dict(config))
+    diffs = config_differences(with_model_defaults(saved),
+                               with_model_defaults(config_dict(config)))
     if diffs:
         raise ValueError(
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "

@@ -22,7 +22,8 @@ import ml_collections
 from posjax.data.glue import TASKS as GLUE_TASKS
 from posjax.data.glue import default_glue_data_config
 from posjax.data.text import default_mlm_data_config
-from posjax.training.loop import default_config
+from posjax.models.config import TextConfig
+from posjax.training.loop import default_config, model_defaults
 
 SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe_r": "tupe_r",
            "deberta": "deberta"}
@@ -37,8 +38,8 @@ GLUE_TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "s
 
 
 def text_model(scheme: str, size: str, max_length: int) -> dict:
-    """TextConfig fields of ``scheme`` at ``size`` ``base`` or ``tiny`` (position tables of
-    ``max_length`` rows)."""
+    """Every TextConfig field of ``scheme`` at ``size`` ``base`` or ``tiny`` (position tables of
+    ``max_length`` rows), so each can be overridden (``--config.model.remat=True``)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is unknown: choose one of {', '.join(SCHEMES)}")
     if size == "base":
@@ -56,7 +57,7 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
     if scheme == "deberta":
         model.update(type_vocab_size=0, layer_norm_eps=1e-7, position_biased_input=False,
                      max_relative_positions=max_length, pos_att_type=("c2p", "p2c"))
-    return model
+    return model_defaults(TextConfig, **model)
 
 
 def _parse(variant: str, allowed: tuple[str, ...]) -> str:
