@@ -12,8 +12,8 @@ here before JAX starts) for each mesh (data × fsdp × tensor), and read back fr
 What the SPMD partitioner does depends on the mesh and the program, not on the host. Later
 backend passes do differ: TPU and GPU turn an all-reduce whose result is then sliced (the
 gradient of an fsdp-split parameter) into a reduce-scatter, XLA:CPU keeps the all-reduce. So the
-bytes are an upper bound for an accelerator, and XLA:CPU's buffer sizes a guide to, not the
-value of, its. Compare code versions, not hosts. With ``--before``, posjax at REV (or the ``posjax/`` inside the
+bytes are an upper bound for an accelerator, and XLA:CPU's buffer sizes only a guide to an
+accelerator's. Compare code versions, not hosts. With ``--before``, posjax at REV (or the ``posjax/`` inside the
 folder DIR) is measured too, in the same process.
 """
 from __future__ import annotations
