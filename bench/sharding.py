@@ -1,6 +1,7 @@
 """The sharded MLM train step on a simulated 8-device mesh: per-device memory and collectives.
 
-    python -m bench.sharding [--before REV|DIR] [--batch B] [--layers N] [--smoke] [--out F.md]
+    python -m bench.sharding [--before REV|DIR] [--batch B] [--layers N] [--out F.md]
+    python -m bench.sharding --smoke     # a tiny model on one mesh (CI)
 
 Compile-only: the step of ``posjax.training`` (the one ``train.py`` runs) is lowered for
 abstract, sharded state on 8 host devices (``--xla_force_host_platform_device_count=8``, set
@@ -13,8 +14,8 @@ What the SPMD partitioner does depends on the mesh and the program, not on the h
 backend passes do differ: TPU and GPU turn an all-reduce whose result is then sliced (the
 gradient of an fsdp-split parameter) into a reduce-scatter, XLA:CPU keeps the all-reduce. So the
 bytes are an upper bound for an accelerator, and XLA:CPU's buffer sizes only a guide to an
-accelerator's. Compare code versions, not hosts. With ``--before``, posjax at REV (or the ``posjax/`` inside the
-folder DIR) is measured too, in the same process.
+accelerator's: compare code versions, not hosts. With ``--before``, posjax at REV (or the
+``posjax/`` inside the folder DIR) is measured too, in the same process.
 """
 from __future__ import annotations
 
@@ -48,24 +49,38 @@ from bench.common import Table, load_average  # noqa: E402
 MESHES = ((2, 2, 2), (2, 4, 1), (4, 2, 1), (1, 4, 2), (1, 8, 1))
 MODELS = {"BERT-A": "bert_a", "DeBERTa-v3": "deberta"}
 KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
-BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-         "s8": 1, "u8": 1, "pred": 1}
+BYTES = {"f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "f32": 4, "s32": 4, "u32": 4,
+         "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 _COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")        # e.g. /*index=5*/ inside long tuples
 REMAT_WARNING = "Involuntary full rematerialization"
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
-    """Per-device result bytes of the collectives in a partitioned HLO module, by kind (an async
-    ``-start`` returns (operands, results): its last array is counted)."""
+    """Per-device result bytes of the collectives in a partitioned XLA:CPU HLO module, by kind.
+
+    XLA:CPU emits synchronous collectives only (``kind(...)`` returning an array or a tuple);
+    an async ``-start`` form (an accelerator's) is refused rather than misread.
+    """
+    hlo = _COMMENT.sub("", hlo)
+    found = _COLLECTIVE.findall(hlo)
+    present = len(re.findall(r" (?:" + "|".join(KINDS) + r")(?:-start)?\(", hlo))
+    if len(found) != present:
+        raise ValueError(f"read {len(found)} of the HLO's {present} collectives: the parser "
+                         "does not know one of their forms")
     out: collections.Counter = collections.Counter()
-    for shapes, kind, start in _COLLECTIVE.findall(hlo):
-        arrays = _ARRAY.findall(shapes)
-        for dtype, dims in arrays[-1:] if start else arrays:
+    for shapes, kind, start in found:
+        if start:
+            raise ValueError(f"async {kind}-start in the HLO: only XLA:CPU's synchronous "
+                             "collectives are read (run bench.sharding on the CPU)")
+        for dtype, dims in _ARRAY.findall(shapes):
+            if dtype not in BYTES:
+                raise ValueError(f"element type {dtype!r} of a {kind}: add its size to BYTES")
             n = 1
             for d in filter(None, dims.split(",")):
                 n *= int(d)
-            out[kind] += n * BYTES.get(dtype, 4)
+            out[kind] += n * BYTES[dtype]
     return dict(out)
 
 
@@ -120,8 +135,9 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
             "collectives": collective_bytes(compiled.as_text())}
 
 
-def run(variants: Sequence[tuple[str, Any]], models: Sequence[str], meshes, batch: int,
-        width: int, layers: int, length: int, vocab: int | None = None) -> Table:
+def run(variants: Sequence[tuple[str, Any]], models: Sequence[str],
+        meshes: Sequence[tuple[int, int, int]], batch: int, width: int, layers: int,
+        length: int, vocab: int | None = None) -> Table:
     """One row per model × mesh × code variant; a column per collective kind that occurs."""
     results = []
     for name in models:
@@ -153,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  "folder holding posjax/")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="tiny model, one mesh (CI)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model on one mesh (CI); --batch and --layers do not apply")
     p.add_argument("--out", default="", help="also write the table to this .md file")
     args = p.parse_args(argv)
     problems = []
@@ -167,22 +184,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems.append(f"--layers={args.layers}: must be >= 1")
     if args.out and not args.out.endswith(".md"):
         problems.append(f"--out={args.out}: the file name must end in .md")
-    variants: list[tuple[str, Any]] = [("working tree", importlib.import_module("posjax"))]
-    if args.before and not problems:
-        try:
-            workdir = pathlib.Path(tempfile.mkdtemp(prefix="posjax_sharding_"))
-            variants.insert(0, (args.before, import_variant(args.before, "before", workdir)))
-        except ValueError as e:
-            problems.append(str(e))
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     command = "python -m bench.sharding " + " ".join(argv if argv is not None else sys.argv[1:])
-    load0, t0 = load_average(), time.perf_counter()
-    if args.smoke:
-        table = run(variants, ["BERT-A"], MESHES[:1], 16, 32, 1, 16, vocab=100)
-    else:
-        table = run(variants, list(MODELS), MESHES, args.batch, 768, args.layers, 128)
+    with tempfile.TemporaryDirectory(prefix="posjax_sharding_") as workdir:
+        variants: list[tuple[str, Any]] = [("working tree", importlib.import_module("posjax"))]
+        if args.before:
+            try:
+                before = import_variant(args.before, "before", pathlib.Path(workdir))
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            variants.insert(0, (args.before, before))
+        load0, t0 = load_average(), time.perf_counter()
+        if args.smoke:
+            table = run(variants, ["BERT-A"], MESHES[:1], 16, 32, 1, 16, vocab=100)
+        else:
+            table = run(variants, list(MODELS), MESHES, args.batch, 768, args.layers, 128)
     table.notes.append(f"Load average before / after: {load0} / {load_average()}; wall time "
                        f"{time.perf_counter() - t0:.0f} s.")
     text = f"Command: `{command}`\n\n{table.markdown()}"
@@ -190,7 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(text)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

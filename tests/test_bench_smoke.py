@@ -196,18 +196,26 @@ def test_sharding_smoke_measures_the_partitioned_step(tmp_path, capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["BERT-A", "2×2×2", "working tree", "0"]
     temp, *collectives, total = (float(c) for c in cells[4:])
-    assert temp > 0 and total > 0 and abs(sum(collectives) - total) <= 0.01 * total   # cells have 3 digits
+    assert temp > 0 and total > 0
+    assert abs(sum(collectives) - total) <= 0.01 * total   # the cells have 3 digits
 
 
-def test_collective_bytes_reads_sync_and_async_collectives():
+def test_collective_bytes_reads_xla_cpu_collectives():
     from bench.sharding import collective_bytes
-    hlo = """
-  %all-gather = f32[4,8]{1,0} all-gather(f32[2,8]{1,0} %p), replica_groups={{0,1}}
-  %ars = (bf16[16]{0}, bf16[16]{0}) all-reduce-start(bf16[16]{0} %x), to_apply=%add
-  %a2a = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-to-all(f32[2,3]{1,0} %y, f32[2,3]{1,0} %z)
-  %add.1 = f32[4,8]{1,0} add(f32[4,8]{1,0} %all-gather, f32[4,8]{1,0} %all-gather)
+    six = ", ".join(["f32[32]{0}"] * 5) + ", /*index=5*/f32[32]{0}"
+    hlo = f"""
+  %all-gather = f32[4,8]{{1,0}} all-gather(f32[2,8]{{1,0}} %p), replica_groups={{{{0,1}}}}
+  %all-reduce.100 = ({six}) all-reduce(%a, %b, %c, %d, %e, /*index=5*/%f), to_apply=%add
+  %a2a = (f32[2,3]{{1,0}}, bf16[2,3]{{1,0}}) all-to-all(f32[2,3]{{1,0}} %y, bf16[2,3]{{1,0}} %z)
+  %add.1 = f32[4,8]{{1,0}} add(f32[4,8]{{1,0}} %all-gather, f32[4,8]{{1,0}} %all-gather)
 """
-    assert collective_bytes(hlo) == {"all-gather": 128, "all-reduce": 32, "all-to-all": 48}
+    assert collective_bytes(hlo) == {"all-gather": 128, "all-reduce": 6 * 128, "all-to-all": 36}
+    with pytest.raises(ValueError, match="only XLA:CPU's synchronous"):
+        collective_bytes("  %s = (f32[2]{0}, f32[4]{0}) all-gather-start(f32[2]{0} %p)")
+    with pytest.raises(ValueError, match="read 0 of the HLO's 1 collectives"):
+        collective_bytes("  %x = f32[2]{0:E=1} all-reduce(f32[2]{0} %p)")   # an unknown form
+    with pytest.raises(ValueError, match="element type 'f8e4m3fn'"):
+        collective_bytes("  %x = f8e4m3fn[2]{0} all-reduce(f8e4m3fn[2]{0} %p)")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -184,6 +184,21 @@ def test_token_inputs_of_the_wrong_shape_or_dtype_are_named():
             model.apply(params, **inputs)
 
 
+def test_embeddings_called_directly_behave_like_nn_embed():
+    """TextEmbeddings on its own: float ids are refused; a one-row token-type table (RoBERTa's
+    type_vocab_size=1) gives its row for every type id, as nn.Embed does (take would give NaN)."""
+    from posjax.models.text import TextEmbeddings
+    module = TextEmbeddings(TextConfig(**TINY, position_scheme="bert_abs",
+                                       max_position_embeddings=16, type_vocab_size=1))
+    ids = np.ones((2, 6), np.int32)
+    variables = module.init(jax.random.PRNGKey(0), ids, ids.astype(bool), None, False)
+    zeros, _ = module.apply(variables, ids, ids.astype(bool), np.zeros_like(ids), False)
+    ones, _ = module.apply(variables, ids, ids.astype(bool), ids, False)
+    assert np.all(np.isfinite(ones)) and np.array_equal(zeros, ones)
+    with pytest.raises(ValueError, match="token ids must be integers, not float32"):
+        module.apply(variables, ids.astype(np.float32), ids.astype(bool), None, False)
+
+
 def test_attention_blocks_refuse_inputs_they_would_misread():
     """A (B, L) token mask with B == L would broadcast as a query-by-key mask; a relative
     table of another size would be read with clamped or shifted indices."""

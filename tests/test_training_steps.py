@@ -172,8 +172,9 @@ def test_sharded_text_step_keeps_embeddings_batch_sharded(mesh_cfg, capfd):
 
 
 def test_rules_without_lookup_batch_leave_the_lookup_to_xla():
-    """Our rules split the looked-up ids over `data`; rules that do not name `lookup_batch` add
-    no constraint on them (not a replicated one)."""
+    """Our rules split the looked-up ids over `data`, and so do rules that map `lookup_batch`
+    but not `length`; rules that do not map `lookup_batch` add no constraint on them (not a
+    replicated one)."""
     import jax.numpy as jnp
     from posjax import TextConfig
     from posjax.models.text import TextEmbeddings
@@ -183,13 +184,15 @@ def test_rules_without_lookup_batch_leave_the_lookup_to_xla():
     params = module.init(jax.random.PRNGKey(0), ids, ids, None, False)
     mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     theirs = tuple(r for r in mesh_lib.LOGICAL_RULES if r[0] != "lookup_batch")
+    no_length = tuple(r for r in mesh_lib.LOGICAL_RULES if r[0] != "length")
     constraints = []
-    for rules in (mesh_lib.LOGICAL_RULES, theirs):
+    for rules in (mesh_lib.LOGICAL_RULES, no_length, theirs):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             text = jax.jit(lambda p, i: module.apply(p, i, i, None, False)).lower(
                 params, ids).as_text()
         constraints.append([line for line in text.splitlines()
                             if "sharding_constraint" in line and "tensor<8x8xi32>" in line])
-    ours, none = constraints
-    assert len(ours) == 1 and '[{"data"}, {}]' in ours[0]
+    ours, without_length, none = constraints
+    for split in (ours, without_length):
+        assert len(split) == 1 and '[{"data"}, {}]' in split[0]
     assert none == []

@@ -335,21 +335,28 @@ def test_damaged_config_json_is_named_with_the_fix(tmp_path):
 
 
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
-    """Text recipes list every TextConfig field (--config.model.remat=True works); a run saved
-    when they listed only the set fields resumes, and a real model change is still refused."""
+    """Text recipes list every TextConfig field (--config.model.remat=True works). A run saved
+    when they listed only the fields they set resumes and evaluates with the recipe; a real
+    model change is still refused."""
     from posjax.training.text_recipes import mlm_config
-    config = mlm_config("bert_a", "tiny")
+    config = mlm_config("deberta", "tiny")
     assert {"remat", "scan_layers", "gather"} <= set(config.model)
     workdir = _checkpointed_workdir(tmp_path, config)
     saved = json.loads((workdir / loop.CONFIG_FILE).read_text())
-    for field in ("remat", "scan_layers", "gather", "pooler_act", "embedding_size"):
-        del saved["model"][field]                       # at their defaults, as before
+    recipe_set = {"position_scheme", "vocab_size", "hidden_size", "num_heads", "num_layers",
+                  "mlp_dim", "max_position_embeddings", "type_vocab_size", "hidden_act",
+                  "layer_norm_eps", "dropout_rate", "attention_dropout_rate", "use_emd",
+                  "position_biased_input", "max_relative_positions", "pos_att_type"}
+    saved["model"] = {k: v for k, v in saved["model"].items() if k in recipe_set}
     (workdir / loop.CONFIG_FILE).write_text(json.dumps(saved))
     loop.check_workdir(workdir, config)
+    loop.check_eval_config(workdir, config)
     changed = config.copy_and_resolve_references()
     changed.model.remat = True
     with pytest.raises(ValueError, match="another config(.|\n)*model.remat: False -> True"):
         loop.check_workdir(workdir, changed)
+    with pytest.raises(ValueError, match="model.remat: False -> True"):
+        loop.check_eval_config(workdir, changed)
 
 
 def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path):

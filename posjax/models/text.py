@@ -23,26 +23,34 @@ def _embed(num: int, features: int, names: tuple[str, str], name: str) -> nn.Emb
 
 
 def _lookup(table: nn.Embed, ids: Array) -> Array:
-    """E[ids]: (B, L) ids -> (B, L, E) rows, batch-sharded like the activations.
+    """E[ids]: (B, L) integer ids -> (B, L, E) rows, batch-sharded like the activations.
 
     With the default rules the table is split along ``embed`` (fsdp) and ``vocab`` (tensor).
     Each device takes the rows of its table slice for the ids of its whole fsdp group
-    (``lookup_batch``: the batch split over ``data`` only); one all-to-all over fsdp then trades
-    the ``embed`` split for the batch split. Left to itself, XLA's SPMD partitioner replicates
-    the whole (B, L, E) tensor on meshes with data and fsdp both > 1. Rules that do not name
-    ``lookup_batch`` leave the lookup to XLA.
+    (``lookup_batch``: the batch split over ``data`` only; the vocab-split partial rows are
+    summed over tensor); one all-to-all over fsdp then trades the ``embed`` split for the batch
+    split. Left to itself, XLA's SPMD partitioner replicates the whole (B, L, E) tensor on
+    meshes with data and fsdp both > 1. Rules that do not map ``lookup_batch`` add no
+    constraint on the ids or on the rows before the final (batch, length, embed) one.
     """
-    unless_ruled = nn.spmd.RulesFallback.NO_CONSTRAINT   # rules without lookup_batch: XLA's
-    ids = nn.with_logical_constraint(ids, ("lookup_batch", "length"), fallback=unless_ruled)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"token ids must be integers, not {ids.dtype}")
+    unless_ruled = nn.spmd.RulesFallback.NO_CONSTRAINT
+    ids = nn.with_logical_constraint(ids, ("lookup_batch", None), fallback=unless_ruled)
     rows = nn.with_logical_constraint(jnp.take(table.embedding, ids, axis=0),
-                                      ("lookup_batch", "length", "embed"), fallback=unless_ruled)
+                                      ("lookup_batch", None, "embed"), fallback=unless_ruled)
     return nn.with_logical_constraint(rows, ("batch", "length", "embed"))
 
 
 def _lookup_small(table: nn.Embed, ids: Array) -> Array:
-    """E[ids] from a table of a few rows (token types), made whole first (a few KiB)."""
+    """E[ids] from a table of a few rows (token types), made whole first (a few KiB). A
+    one-row table gives its row for every id, as ``nn.Embed`` does."""
     whole = nn.with_logical_constraint(table.embedding, (None, None))
-    return nn.with_logical_constraint(jnp.take(whole, ids, axis=0), ("batch", "length", "embed"))
+    if table.num_embeddings == 1:
+        rows = jnp.broadcast_to(whole[0], ids.shape + whole.shape[1:])
+    else:
+        rows = jnp.take(whole, ids, axis=0)
+    return nn.with_logical_constraint(rows, ("batch", "length", "embed"))
 
 
 class TextEmbeddings(nn.Module):
@@ -149,9 +157,10 @@ class TextEncoder(nn.Module):
         """(embedded tokens, raw absolute positions or None, bool token mask)."""
         cfg = self.cfg
         check_token_inputs(input_ids, attention_mask, token_type_ids)
-        if cfg.position_scheme in ("tupe_a", "tupe_r") and input_ids.shape[1] > cfg.max_position_embeddings:
+        length = input_ids.shape[1]
+        if cfg.position_scheme in ("tupe_a", "tupe_r") and length > cfg.max_position_embeddings:
             raise ValueError(
-                f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings="
+                f"sequence length {length} exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
         token_mask = attention_mask.astype(bool)
         x, pos = self.embeddings(input_ids, token_mask, token_type_ids, train)

@@ -260,7 +260,9 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any],
 def with_model_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with its ``model`` section as the task's model config resolves it (every field,
     defaults filled in): a run saved before its recipe listed every field then compares equal to
-    the same run listing the defaults. Unchanged when the task or model cannot be resolved."""
+    the same run listing the defaults. The defaults are today's, so a changed default does not
+    show against an old run that left the field out. Unchanged when the task or model cannot be
+    resolved (the raw sections are compared then)."""
     try:
         model = make_task(ml_collections.ConfigDict(config)).model_config
     except (ValueError, TypeError, AttributeError):
@@ -341,7 +343,8 @@ def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
     saved = read_saved_config(workdir)
     if saved is None:
         return
-    diffs = config_differences(saved, config_dict(config), EVAL_KEYS)
+    diffs = config_differences(with_model_defaults(saved),
+                               with_model_defaults(config_dict(config)), EVAL_KEYS)
     if diffs:
         raise ValueError(
             f"the config differs from the run's {workdir / CONFIG_FILE} in keys that define the "
