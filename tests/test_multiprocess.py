@@ -55,20 +55,23 @@ def _free_port() -> int:
 
 def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
            sigterm_to: tuple[int, ...] = (), after_step: int = 0,
-           extra_flags: dict[int, list[str]] | None = None) -> list[tuple[str, int]]:
-    """Run train.py as 2 processes (``extra_flags``: more flags for some of them); with
-    ``sigterm_to``, send SIGTERM to those processes once process 0 reports ``after_step``.
-    Returns [(output, exit status)] per process."""
+           extra_flags: dict[int, list[str]] | None = None,
+           config: str = "configs/vit_digits.py:tiny",
+           overrides: dict | None = None) -> list[tuple[str, int]]:
+    """Run train.py ``config`` with ``overrides`` (default OVERRIDES) as 2 processes
+    (``extra_flags``: more flags for some of them); with ``sigterm_to``, send SIGTERM to those
+    processes once process 0 reports ``after_step``. Returns [(output, exit status)] per
+    process."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **MULTI}.items()]
+    flags = [f"--config.{k}={v}" for k, v in {**(overrides or OVERRIDES), **MULTI}.items()]
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
     procs = []
     for i, log in enumerate(logs):
         with log.open("w") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "train.py", "--config", "configs/vit_digits.py:tiny", *flags,
+                [sys.executable, "train.py", "--config", config, *flags,
                  f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                  f"--config.distributed.process_id={i}", f"--workdir={workdir}",
                  *(extra_flags or {}).get(i, [])],
@@ -179,3 +182,30 @@ def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
     assert code1 == 1 and "process 1: error: optimizer.b2=1.5 is not valid" in out1, out1
     assert code0 == 1 and "process 0: " in out0, out0[-2000:]
     assert time.monotonic() - start < 150
+
+
+TEXT_OVERRIDES = {"num_steps": 4, "log_every_steps": 1, "eval_every_steps": 1000,
+                  "checkpoint.every_steps": 1000, "optimizer.warmup_steps": 0,
+                  "model.num_layers": 1, "model.hidden_size": 64, "model.num_heads": 2,
+                  "model.mlp_dim": 128, "peak_flops": 1e12}
+
+
+def test_text_model_two_processes_equal_one_process(tmp_path, shared_data):
+    """MLM BERT-A with dropout on data 2 × fsdp 2 × tensor 2: the word-embedding lookup from the
+    fsdp- and tensor-split table, across 2 processes, gives the losses of 1 process."""
+    from posjax.training.text_recipes import mlm_config
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        multi = pool.submit(launch, tmp_path / "multi", tmp_path, "text",
+                            config="configs/mlm_bert_a.py:tiny", overrides=TEXT_OVERRIDES)
+        config = mlm_config("bert_a", "tiny")
+        config.update_from_flattened_dict({**TEXT_OVERRIDES, "mesh.data": 2, "mesh.fsdp": 2,
+                                           "mesh.tensor": 2})
+        loop.train(config, tmp_path / "single")
+        outputs = multi.result()
+    for output, code in outputs:
+        assert code == 0, output[-3000:]
+        assert "Involuntary full rematerialization" not in output
+    losses_multi, losses_single = (_train_losses(tmp_path / w) for w in ("multi", "single"))
+    assert sorted(losses_multi) == sorted(losses_single) == [1, 2, 3, 4]
+    for step, loss in losses_single.items():
+        assert abs(losses_multi[step] - loss) <= 1e-5, (step, losses_multi[step], loss)
