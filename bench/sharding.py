@@ -103,33 +103,32 @@ def captured_stderr() -> Iterator[list[str]]:
 
 
 def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: int,
-            width: int, layers: int, length: int, vocab: int | None = None) -> dict[str, Any]:
-    """Compile the MLM train step of ``package`` (posjax or a variant) on ``mesh_shape``."""
+            width: int, layers: int, length: int) -> dict[str, Any]:
+    """Compile the MLM train step of ``package`` (posjax or a variant) on ``mesh_shape``, set
+    up by its ``loop.prepare`` as train.py does (validated; nothing is written)."""
     def module(name: str) -> Any:
         return importlib.import_module(f"{package.__name__}.training.{name}")
 
     config = module("text_recipes").mlm_config(scheme, "tiny")
     config.model.update(hidden_size=width, num_heads=max(width // 64, 2), num_layers=layers,
-                        mlp_dim=4 * width, max_position_embeddings=length,
-                        **({"vocab_size": vocab} if vocab else {}))
+                        mlp_dim=4 * width, max_position_embeddings=length)
     if scheme == "deberta":
         config.model.update(max_relative_positions=length)
     config.data.max_seq_length = length
     config.batch_size = batch
     config.optimizer.warmup_steps = 0
-    mesh_lib, state_lib, steps = module("mesh"), module("state"), module("steps")
+    config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
     module("text_tasks")   # registers "mlm" (TASK_MODULES names the unaliased package)
-    task = module("tasks").make_task(config)
-    model = task.build_model()
-    tx, _ = module("optim").make_optimizer(config.optimizer, 10)
-    mesh = mesh_lib.build_mesh(dict(zip(mesh_lib.MESH_AXES, mesh_shape)), jax.devices()[:8])
-    abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    with tempfile.TemporaryDirectory() as workdir:
+        run = module("loop").prepare(config, workdir, training=True)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, shardings)
-    step = steps.make_train_step(task, model, tx, mesh, shardings, task.dummy_batch(1), 1)
-    with captured_stderr() as log, jax.set_mesh(mesh), \
-            nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
-        compiled = step.lower(state, task.dummy_batch(batch), jax.random.PRNGKey(0)).compile()
+                         run.abstract, run.shardings)
+    step = module("steps").make_train_step(run.task, run.model, run.tx, run.mesh, run.shardings,
+                                           run.task.dummy_batch(1), 1)
+    with captured_stderr() as log, jax.set_mesh(run.mesh), \
+            nn.logical_axis_rules(module("mesh").LOGICAL_RULES):
+        compiled = step.lower(state, run.task.dummy_batch(batch),
+                              jax.random.PRNGKey(0)).compile()
     return {"remat": sum(REMAT_WARNING in line for line in log),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "collectives": collective_bytes(compiled.as_text())}
@@ -137,13 +136,13 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
 
 def run(variants: Sequence[tuple[str, Any]], models: Sequence[str],
         meshes: Sequence[tuple[int, int, int]], batch: int, width: int, layers: int,
-        length: int, vocab: int | None = None) -> Table:
+        length: int) -> Table:
     """One row per model × mesh × code variant; a column per collective kind that occurs."""
     results = []
     for name in models:
         for shape in meshes:
             for label, package in variants:
-                r = analyse(package, MODELS[name], shape, batch, width, layers, length, vocab)
+                r = analyse(package, MODELS[name], shape, batch, width, layers, length)
                 results.append((name, "×".join(map(str, shape)), label, r))
                 print(f"{name} {shape} {label}: {r}", file=sys.stderr, flush=True)
     kinds = [k for k in KINDS if any(k in r["collectives"] for *_, r in results)]
@@ -174,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="", help="also write the table to this .md file")
     args = p.parse_args(argv)
     problems = []
-    if len(jax.devices()) < 8:
+    if len(jax.devices()) != 8:
         problems.append(f"needs 8 devices, JAX has {len(jax.devices())}: run it as "
                         "`python -m bench.sharding` (which simulates them), or set "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
@@ -199,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             variants.insert(0, (args.before, before))
         load0, t0 = load_average(), time.perf_counter()
         if args.smoke:
-            table = run(variants, ["BERT-A"], MESHES[:1], 16, 32, 1, 16, vocab=100)
+            table = run(variants, ["BERT-A"], MESHES[:1], 16, 32, 1, 16)
         else:
             table = run(variants, list(MODELS), MESHES, args.batch, 768, args.layers, 128)
     table.notes.append(f"Load average before / after: {load0} / {load_average()}; wall time "
