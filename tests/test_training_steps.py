@@ -25,6 +25,17 @@ def _batches() -> list[dict[str, np.ndarray]]:
              "mask": np.ones(BATCH, bool)} for idx in order.reshape(NUM_STEPS, BATCH)]
 
 
+def _setup(config, mesh_cfg: dict, devices, num_steps: int):
+    """(task, model, tx, mesh, shardings, the seed's initial state) of ``config`` on a mesh."""
+    task = make_task(config)
+    model = task.build_model()
+    tx, _ = optim.make_optimizer(config.optimizer, num_steps)
+    mesh = mesh_lib.build_mesh(mesh_cfg, devices)
+    _, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    state = state_lib.init_state(task, model, tx, mesh, shardings, config.seed)
+    return task, model, tx, mesh, shardings, state
+
+
 def _trajectory(mesh_cfg: dict, devices, microbatches: int = 1, model: dict | None = None,
                 init_params=None):
     """Losses of NUM_STEPS train steps and the final params (numpy). ``model``: config.model
@@ -34,12 +45,7 @@ def _trajectory(mesh_cfg: dict, devices, microbatches: int = 1, model: dict | No
     overrides = {f"model.{k}": v for k, v in (model or {}).items()}
     config = syn.tiny_config(**{"model.dropout_rate": 0.0, "optimizer.warmup_steps": 0,
                                 **overrides})
-    task = make_task(config)
-    model = task.build_model()
-    tx, _ = optim.make_optimizer(config.optimizer, NUM_STEPS)
-    mesh = mesh_lib.build_mesh(mesh_cfg, devices)
-    _, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
-    state = state_lib.init_state(task, model, tx, mesh, shardings, config.seed)
+    task, model, tx, mesh, shardings, state = _setup(config, mesh_cfg, devices, NUM_STEPS)
     if init_params is not None:
         params = jax.device_put(init_params, shardings.params)
         with jax.set_mesh(mesh):
@@ -98,12 +104,7 @@ def test_scanned_layers_follow_unrolled_layers():
 
 def _initial_params(model: dict):
     config = syn.tiny_config(**{f"model.{k}": v for k, v in model.items()})
-    task = make_task(config)
-    mesh = mesh_lib.build_mesh({"data": 1}, jax.devices()[:1])
-    tx, _ = optim.make_optimizer(config.optimizer, NUM_STEPS)
-    module = task.build_model()
-    _, shardings = state_lib.abstract_state(task, module, tx, mesh, config.seed)
-    state = state_lib.init_state(task, module, tx, mesh, shardings, config.seed)
+    state = _setup(config, {"data": 1}, jax.devices()[:1], NUM_STEPS)[-1]
     return jax.tree.map(np.asarray, state.params)
 
 
@@ -131,12 +132,7 @@ def _text_steps(mesh_cfg: dict, devices):
                         attention_dropout_rate=0.0)
     config.data.max_seq_length = length
     config.optimizer.warmup_steps = 0
-    task = make_task(config)
-    model = task.build_model()
-    tx, _ = optim.make_optimizer(config.optimizer, 3)
-    mesh = mesh_lib.build_mesh(mesh_cfg, devices)
-    _, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
-    state = state_lib.init_state(task, model, tx, mesh, shardings, config.seed)
+    task, model, tx, mesh, shardings, state = _setup(config, mesh_cfg, devices, 3)
     step = steps.make_train_step(task, model, tx, mesh, shardings, task.dummy_batch(1), 1)
     rng = np.random.default_rng(0)
     batch = task.dummy_batch(8)
