@@ -4,8 +4,10 @@ One ``DisentangledAttention`` layer in the DeBERTa-v3 setting (log buckets, k = 
 relative table has R = 512 rows, shared attention key), batch 1, forward + backward (gradients
 of Σ out·g with respect to the parameters, the input and the table). Compared:
 
-* ours with each gather strategy of ``relative_gather``: ``take`` (take_along_axis),
-  ``onehot`` (einsum with an (L, L, R) one-hot), ``shift`` (relative shift of a column gather);
+* ours with each gather strategy (``TextConfig.gather``): ``take`` (take_along_axis),
+  ``onehot`` (einsum with an (L, L, R) one-hot), ``shift`` (the relative shift of the 2L − 1
+  distance rows' product where 2L − 1 <= R, ``take`` beyond), ``skew`` (the relative shift at
+  every length: no L × L gather, more FLOPs beyond 2L − 1 = R);
 * ``naive``: the paper's equation written directly, materialising K_r[δ(i,j)] and Q_r[δ(i,j)]
   as (L, L, h, d) tensors.
 
@@ -27,7 +29,7 @@ from bench.common import Budget, Scale, Table, block, median, median_ratio, time
 from posjax.layers.attention import attention_weights
 from posjax.layers.disentangled import DisentangledAttention
 
-STRATEGIES = ("take", "onehot", "shift")
+STRATEGIES = ("take", "onehot", "shift", "skew")
 RUNS = 3           # timed runs per length and variant (each is one fwd + bwd call)
 VARIANTS = STRATEGIES + ("naive",)
 
@@ -172,7 +174,7 @@ def _time_table(s: dict, lengths: list[int], times: dict, diff: float) -> Table:
                   f"(R = {2 * s['buckets']} table rows), log buckets, shared key, c2p + p2c.",
                   "— : not run, XLA scratch above the timing cap of "
                   f"{s['time_cap'] / 2 ** 20:.0f} MiB (see the memory table).",
-                  (f"Outputs of all three strategies equal the naive form: max |Δ| = "
+                  (f"Every strategy's output equals the naive form: max |Δ| = "
                    f"{diff:.1e} at L = {min(lengths)}." if lengths else
                    "No length measured (time budget spent).")] + budget_note)
 
@@ -202,7 +204,7 @@ def _memory_table(s: dict, lengths: list[int], memory: dict) -> Table:
 
 def fastest_strategy(lengths: list[int], times: dict) -> tuple[str | None, dict[str, float]]:
     """The strategy with the smallest geometric-mean time ratio to ``take`` over the lengths
-    where all three were timed; returns (name, {strategy: geo-mean ratio})."""
+    where every strategy was timed; returns (name, {strategy: geo-mean ratio})."""
     common = [n for n in lengths if all((n, v) in times for v in STRATEGIES)]
     if not common:
         return None, {}

@@ -67,7 +67,7 @@ BAD_CONFIGS = {
     "odd T5 buckets": (TextConfig, dict(position_scheme="tupe_r", relative_buckets=31),
                        ["relative_buckets=31", "even"]),
     "unknown gather": (TextConfig, dict(position_scheme="deberta", gather="scatter"),
-                       ["gather='scatter'", "take", "onehot", "shift"]),
+                       ["gather='scatter'", "take", "onehot", "shift", "skew"]),
     "conv layer outside v2": (TextConfig, dict(position_scheme="deberta", conv_kernel_size=3),
                               ["conv_kernel_size=3", "deberta_v2"]),
     "shared attention key in v1": (TextConfig, dict(position_scheme="deberta",

@@ -137,7 +137,7 @@ def test_bert_tupe_match_reference(name):
 
 # --- DeBERTa v1 ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gather", ["take", "onehot", "shift"])
+@pytest.mark.parametrize("gather", ["take", "onehot", "shift", "skew"])
 @pytest.mark.parametrize("pos_att_type", [("c2p",), ("p2c",), ("c2p", "p2c")])
 def test_deberta_v1_clamped_matches_reference(pos_att_type, gather):
     # k = 8 < L = 24: relative distances beyond ±8 are clamped to the table ends.
@@ -146,7 +146,7 @@ def test_deberta_v1_clamped_matches_reference(pos_att_type, gather):
     check(f"deberta v1 k=8 {'+'.join(pos_att_type)} {gather}", cfg)
 
 
-@pytest.mark.parametrize("gather", ["take", "onehot", "shift"])
+@pytest.mark.parametrize("gather", ["take", "onehot", "shift", "skew"])
 def test_deberta_v1_wide_span_matches_reference(gather):
     # k = 32 > L = 24: only the centre 2L rows of the table are used.
     cfg = text_config("deberta", max_relative_positions=32, gather=gather,
@@ -176,6 +176,8 @@ DEBERTA_V2 = {
         pos_att_type=("p2c",), gather="shift"),
     "v2 log-buckets c2p onehot norm_rel_ebd": dict(
         **V2, pos_att_type=("c2p",), norm_rel_ebd=True, gather="onehot"),
+    "v2 log-buckets share_att_key skew": dict(   # 2L − 1 = 79 distances > R = 16 rows
+        **V2, share_att_key=True, gather="skew", position_biased_input=False),
 }
 
 

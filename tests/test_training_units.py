@@ -104,8 +104,13 @@ def test_train_flops_equal_the_traced_gradient_matmuls():
     {"position_scheme": "deberta", "max_relative_positions": 16},
     {"position_scheme": "deberta_v2", "max_relative_positions": 32, "position_buckets": 16,
      "gather": "take"},
+    # 23 distances > R = 8 rows: ``skew`` still multiplies the 23 rows (``shift`` the 8).
+    {"position_scheme": "deberta_v2", "max_relative_positions": 16, "position_buckets": 4,
+     "gather": "skew"},
+    {"position_scheme": "deberta", "max_relative_positions": 4, "gather": "skew"},
 ], ids=["bert_abs", "tupe_r", "deberta_v2_conv", "deberta_v1", "deberta_v2_shift_short",
-        "deberta_v1_shift_short", "deberta_v2_take_short"])
+        "deberta_v1_shift_short", "deberta_v2_take_short", "deberta_v2_skew_long",
+        "deberta_v1_skew_long"])
 def test_classifier_flops_equal_the_traced_matmuls(overrides):
     """[CLS] classifiers (the last layer computes token 0 alone): 3 sequences of 12 tokens."""
     from posjax.models.config import TextConfig

@@ -3,9 +3,9 @@
     logits[i, j] = (Q_c[i]·K_c[j] + Q_c[i]·K_r[δ(i,j)] + K_c[j]·Q_r[δ(i,j)]) / √(d·(1 + #terms))
 
 with δ(i, j) = clamp(bucket(i − j) + k, 0, 2k − 1), the SAME index for c2p and p2c. The
-position terms are computed as Q_c K_rᵀ (L × 2k) and K_c Q_rᵀ (L × 2k) and then gathered (or, with
-``gather='shift'``, from the 2L − 1 table rows of the distances and then skewed), never as an
-L × L × d tensor.
+position terms are computed as Q_c K_rᵀ (L × 2k) and K_c Q_rᵀ (L × 2k) and then gathered (or,
+with ``gather='shift'`` or ``'skew'``, from the 2L − 1 table rows of the distances and then
+skewed), never as an L × L × d tensor.
 """
 from __future__ import annotations
 
@@ -30,20 +30,22 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
 
     content: (B, La, h, d) content queries (c2p) or keys (p2c); table: (R, h, d) projected
     relative table; index: per axis (La, Lc) or (B, La, Lc) -> fp32 (B, h, La, Lc).
-    ``shift`` (a static Toeplitz index: text, queries = keys) when 2L − 1 <= R: gather the
-    table rows of the 2L − 1 distances first (a small (2L−1, h, d) gather), multiply them with
-    ``content`` and relative-shift (skew) the (B, h, L, 2L−1) product into place — fewer FLOPs
-    than the product with the whole table and no gather of an L × L array. Otherwise (longer
-    sequences, other indices, other methods) the product with the whole table, (B, h, La, R),
-    is gathered by ``relative_gather`` (``shift`` then gathers like ``take``).
+    The relative shift, for a static Toeplitz index (text, queries = keys): gather the table
+    rows of the 2L − 1 distances first (a small (2L−1, h, d) row gather), multiply them with
+    ``content`` and shift (skew) the (B, h, L, 2L−1) product into place — no gather of an
+    L × L array. ``shift`` does this when 2L − 1 <= R, where it also costs fewer FLOPs than the
+    product with the whole table; ``skew`` at every length ((2L−1)/R times that product's FLOPs
+    beyond, for hardware where gathers are slow). Otherwise (longer sequences with ``shift``,
+    other indices, other methods) the product with the whole table, (B, h, La, R), is gathered
+    by ``relative_gather`` (``shift`` and ``skew`` then gather like ``take``).
     """
     total, full = None, None
     for idx in index:
-        cols = (_toeplitz_columns(idx) if method == "shift" and isinstance(idx, np.ndarray)
-                else None)
+        cols = (_toeplitz_columns(idx) if method in ("shift", "skew")
+                and isinstance(idx, np.ndarray) else None)
         if isinstance(idx, np.ndarray) and idx.ndim == 2 and 1 in idx.shape:
             term = _thin_position_logits(content, table, idx)
-        elif cols is not None and len(cols) <= table.shape[0]:
+        elif cols is not None and (method == "skew" or len(cols) <= table.shape[0]):
             term = _skew(jnp.einsum("bqhd,chd->bhqc", content, table[cols],
                                     preferred_element_type=jnp.float32))
         else:

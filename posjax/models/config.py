@@ -14,6 +14,10 @@ VIT_SCHEMES = ("vit",) + TEXT_SCHEMES
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
 POOLINGS = ("token", "gap", "map")
 DTYPES = ("float32", "bfloat16", "float16")
+# DeBERTa's relative-position gather (posjax.layers.disentangled.position_logits): take_along_axis,
+# one-hot einsum, the relative shift where it is the cheaper product (2L − 1 <= 2k), or the
+# relative shift at every length (no L × L gather; for hardware where gathers are slow).
+GATHERS = ("take", "onehot", "shift", "skew")
 
 
 def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
@@ -62,8 +66,7 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
         v = getattr(c, f)
         _check(0.0 <= v < 1.0, f, v, "must lie in [0, 1)")
     _check(c.layer_norm_eps > 0, "layer_norm_eps", c.layer_norm_eps, "must be > 0")
-    _check(c.gather in ("take", "onehot", "shift"), "gather", c.gather,
-           "choose one of take, onehot, shift")
+    _check(c.gather in GATHERS, "gather", c.gather, f"choose one of {', '.join(GATHERS)}")
     if c.position_scheme in ("deberta", "deberta_v2"):
         _check(len(c.pos_att_type) > 0 and set(c.pos_att_type) <= {"c2p", "p2c"},
                "pos_att_type", c.pos_att_type, "a non-empty subset of ('c2p', 'p2c')")
@@ -124,8 +127,8 @@ class TextConfig:
     conv_kernel_size: int = 0            # v2 ConvLayer (0: none)
     conv_groups: int = 1
     conv_act: str = "tanh"
-    gather: str = "shift"                # DeBERTa relative gather: take | onehot | shift
-                                         # (shift: fastest in BENCHMARKS.md; = take beyond L=k)
+    gather: str = "shift"                # DeBERTa relative gather, one of GATHERS (shift:
+                                         # fastest on CPU in BENCHMARKS.md; = take beyond L=k)
     # Heads.
     use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM (needs
                                          # position_biased_input=False, as officially)
@@ -219,7 +222,7 @@ class ViTConfig:
     position_buckets: int = 0
     share_att_key: bool = False
     norm_rel_ebd: bool = False
-    gather: str = "shift"                # grids are not Toeplitz: shift gathers like take
+    gather: str = "shift"                # grids are not Toeplitz: shift, skew gather like take
     remat: bool = False
     scan_layers: bool = False
 

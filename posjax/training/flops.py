@@ -81,10 +81,12 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         if scheme == "deberta" and axes == 1:
             span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
         rows = axes * 2 * span
-        # ``shift`` on text multiplies only the 2T − 1 table rows of the distances
-        # (posjax.layers.disentangled.position_logits) when they are fewer than R.
+        # The relative shift on text multiplies the 2T − 1 table rows of the distances
+        # (posjax.layers.disentangled.position_logits): ``shift`` when they are fewer than R,
+        # ``skew`` always.
         product_rows = rows
-        if cfg.gather == "shift" and axes == 1 and 2 * tokens - 1 <= rows:
+        if axes == 1 and (cfg.gather == "skew"
+                          or cfg.gather == "shift" and 2 * tokens - 1 <= rows):
             product_rows = 2 * tokens - 1
         per_layer = len(cfg.pos_att_type)
         terms = cfg.num_layers * per_layer

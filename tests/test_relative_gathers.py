@@ -1,0 +1,64 @@
+"""What DeBERTa's relative-position strategies compile to (their values against the float64
+reference: test_reference_text.py). ``skew`` must never gather or scatter an L × L index, the
+slow operation on accelerators, at any length; ``take`` and ``shift`` beyond 2L − 1 = R do."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax.layers.disentangled import DisentangledAttention
+
+LENGTH, SPAN = 40, 16          # 2L − 1 = 79 distances > R = 2k = 32 table rows
+
+
+def _index_sizes(jaxpr) -> list[int]:
+    """Index counts of every gather and scatter in a jaxpr and its sub-jaxprs."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather" or eqn.primitive.name.startswith("scatter"):
+            sizes.append(int(np.prod(eqn.invars[1].aval.shape[:-1])))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    sizes += _index_sizes(inner)
+    return sizes
+
+
+def _forward_backward_index_sizes(gather: str, length: int) -> list[int]:
+    layer = DisentangledAttention(num_heads=4, head_dim=8, pos_att_type=("c2p", "p2c"),
+                                  span=SPAN, max_relative_positions=64, position_buckets=SPAN,
+                                  share_att_key=True, gather=gather)
+    x = jnp.ones((2, length, 32))
+    table = jnp.ones((2 * SPAN, 32))
+    params = layer.init(jax.random.key(0), x, x, rel_table=table)
+
+    def loss(p, x, t):
+        return jnp.sum(layer.apply(p, x, x, rel_table=t))
+    return _index_sizes(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(params, x, table).jaxpr)
+
+
+@pytest.mark.parametrize("length", [LENGTH, 12])
+def test_skew_gathers_only_table_rows(length):
+    sizes = _forward_backward_index_sizes("skew", length)
+    assert sizes and max(sizes) == 2 * length - 1        # the distance rows of the table
+
+
+@pytest.mark.parametrize("gather", ["take", "shift"])
+def test_take_and_long_shift_gather_every_pair(gather):
+    """The control: beyond 2L − 1 = R both gather an (L, L) index (forward and backward)."""
+    sizes = _forward_backward_index_sizes(gather, LENGTH)
+    assert sizes.count(LENGTH * LENGTH) >= 2
+
+
+def test_skew_and_take_agree_beyond_the_table():
+    layer = {g: DisentangledAttention(num_heads=4, head_dim=8, pos_att_type=("c2p", "p2c"),
+                                      span=SPAN, max_relative_positions=64,
+                                      position_buckets=SPAN, gather=g) for g in ("take", "skew")}
+    kx, kt = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (2, LENGTH, 32))
+    table = jax.random.normal(kt, (2 * SPAN, 32))
+    params = nn.meta.unbox(layer["take"].init(jax.random.key(0), x, x, rel_table=table))
+    out = {g: m.apply(params, x, x, rel_table=table) for g, m in layer.items()}
+    np.testing.assert_allclose(out["skew"], out["take"], atol=2e-5)
