@@ -341,8 +341,9 @@ def test_damaged_config_json_is_named_with_the_fix(tmp_path):
 
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
     """Text recipes list every TextConfig field (--config.model.remat=True works). A run saved
-    when they listed only the fields they set resumes and evaluates with the recipe; a real
-    model change is still refused."""
+    when they listed only the fields they set resumes and evaluates with the recipe, also with
+    another remat or gather (how the same model is computed); a real model change is still
+    refused."""
     from posjax.training.text_recipes import mlm_config
     config = mlm_config("deberta", "tiny")
     assert {"remat", "scan_layers", "gather"} <= set(config.model)
@@ -356,11 +357,16 @@ def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_
     (workdir / loop.CONFIG_FILE).write_text(json.dumps(saved))
     loop.check_workdir(workdir, config)
     loop.check_eval_config(workdir, config)
+    computed_otherwise = config.copy_and_resolve_references()
+    computed_otherwise.model.remat = True
+    computed_otherwise.model.gather = "skew"
+    loop.check_workdir(workdir, computed_otherwise)
+    loop.check_eval_config(workdir, computed_otherwise)
     changed = config.copy_and_resolve_references()
-    changed.model.remat = True
-    with pytest.raises(ValueError, match="another config(.|\n)*model.remat: False -> True"):
+    changed.model.scan_layers = True            # another parameter layout
+    with pytest.raises(ValueError, match="another config(.|\n)*model.scan_layers: False -> True"):
         loop.check_workdir(workdir, changed)
-    with pytest.raises(ValueError, match="model.remat: False -> True"):
+    with pytest.raises(ValueError, match="model.scan_layers: False -> True"):
         loop.check_eval_config(workdir, changed)
 
 

@@ -50,10 +50,12 @@ from posjax.training.tasks import Task, make_task
 CONFIG_FILE = "config.json"
 T = TypeVar("T")
 # Keys that may change between a run and its resumption: they change neither the math nor the
-# saved state. init_from only seeds a run that starts without a checkpoint. data.worker_count is
-# not one: Grain saves another input-iterator state with worker processes than without.
+# saved state. init_from only seeds a run that starts without a checkpoint; model.remat and
+# model.gather only say how the same model is computed (recomputed activations, DeBERTa's
+# relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
+# state with worker processes than without; nor is model.scan_layers (another parameter layout).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
-                    "distributed", "init_from")
+                    "distributed", "init_from", "model.remat", "model.gather")
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data. Every other key defines the model or its saved state.
 EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "eval_batch_size", "microbatches", "data.path",
