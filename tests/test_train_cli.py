@@ -74,6 +74,7 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "preempted: checkpoint saved at step" in out, out[-3000:]
+    assert "leaked shared_memory" not in out, out[-3000:]
     stopped = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
     assert 10 <= stopped < 200
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
@@ -200,7 +201,8 @@ def _group_members(pgid: int) -> list[str]:
 
 def test_sigterm_to_the_process_group_with_input_workers_saves(tmp_path):
     """``timeout`` and Slurm signal every process of the job: the Grain workers must keep
-    serving until the main process has saved, then end with it."""
+    serving until the main process has saved, then end with it, leaving no shared memory to
+    the resource tracker."""
     workdir = tmp_path / "run"
     args = ["train.py", *TINY, "--config.num_steps=400", "--config.log_every_steps=10",
             "--config.data.worker_count=2", "--config.checkpoint.every_steps=100000",
@@ -217,6 +219,7 @@ def test_sigterm_to_the_process_group_with_input_workers_saves(tmp_path):
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "preempted: checkpoint saved at step" in out, out[-3000:]
+    assert "leaked shared_memory" not in out, out[-3000:]
     stopped = int(out.split("preempted: checkpoint saved at step ")[1].split(";")[0])
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
     deadline = time.monotonic() + 20    # the workers and the resource tracker end after it

@@ -1,8 +1,10 @@
 """Pieces every input pipeline (images, MLM text, GLUE) shares."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import gc
 import multiprocessing.resource_tracker
 import os
 import pathlib
@@ -46,18 +48,47 @@ def signals_to_receiver_thread() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker now, keeping the calling thread's signal mask.
+def prepare_input_workers() -> None:
+    """Call before a pipeline starts Grain worker processes.
 
-    CPython 3.11 blocks SIGTERM and SIGINT to start the tracker and then unblocks them in the
-    starting thread. Started lazily from the Grain thread that spawns the first worker, it
-    would lift ``signals_to_receiver_thread``'s block there, and that thread would spawn the
-    workers unprotected."""
+    - Starts multiprocessing's resource tracker now, keeping the calling thread's signal mask.
+      CPython 3.11 blocks SIGTERM and SIGINT to start the tracker and then unblocks them in the
+      starting thread. Started lazily from the Grain thread that spawns the first worker, it
+      would lift ``signals_to_receiver_thread``'s block there, and that thread would spawn the
+      workers unprotected.
+    - Has the process wait at exit until Grain has freed the batches it received
+      (``wait_for_shared_memory_release``)."""
+    global _waits_at_exit
+    if not _waits_at_exit:
+        atexit.register(wait_for_shared_memory_release)
+        _waits_at_exit = True
     if not hasattr(signal, "pthread_sigmask"):
         return
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+_waits_at_exit = False
+
+
+def wait_for_shared_memory_release() -> None:
+    """Collect unreachable batches and wait until Grain has unlinked their shared memory.
+
+    Grain's worker processes hand batches over in shared-memory blocks. The main process unlinks
+    a block when its array is freed, on a background thread; blocks still queued there when the
+    process ends stay behind for the resource tracker, which frees them with a warning about
+    "leaked shared_memory objects". Close the pipelines' iterators first: that frees the
+    batches the workers had prefetched."""
+    gc.collect()
+    try:   # Grain has no public handle on that thread; another version: nothing to wait for
+        from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+        pool = SharedMemoryArray._del_thread_pool
+    except (ImportError, AttributeError):
+        return
+    if pool is not None:
+        with contextlib.suppress(ValueError):   # a pool already closed has nothing queued
+            pool.apply(int)   # first in, first out: returns once every earlier unlink ran
 
 
 def input_worker_init(worker_index: int, worker_count: int) -> None:

@@ -78,7 +78,7 @@ from absl import flags
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, input_worker_init,
-                                 key_problems, pad_to_full_batches, start_resource_tracker)
+                                 key_problems, pad_to_full_batches, prepare_input_workers)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -404,7 +404,7 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     if cfg.worker_count > 0:
         if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags when it spawns
             flags.FLAGS.mark_as_parsed()  # workers; outside absl.app.run use their defaults
-        start_resource_tracker()
+        prepare_input_workers()
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
                                       worker_init_fn=input_worker_init)
     return ImagePipeline(iterator=iter(iter_ds), dataset=iter_ds, num_examples=len(selected),

@@ -449,13 +449,16 @@ def run_evaluation(run: Run, params: Any, eval_step, pipe: Any = None,
     process 0)."""
     pipe = run.make_eval_pipeline() if pipe is None else pipe
     collected: dict[str, list[np.ndarray]] = {}
-    for local in pipe.iterator:
-        batch = global_batch(local, run.mesh)
-        outputs = dict(eval_step(params, batch))
-        outputs["__mask__"] = batch["mask"]
-        gathered = multihost_utils.process_allgather(outputs, tiled=True)
-        for k, v in gathered.items():
-            collected.setdefault(k, []).append(np.asarray(v))
+    try:
+        for local in pipe.iterator:
+            batch = global_batch(local, run.mesh)
+            outputs = dict(eval_step(params, batch))
+            outputs["__mask__"] = batch["mask"]
+            gathered = multihost_utils.process_allgather(outputs, tiled=True)
+            for k, v in gathered.items():
+                collected.setdefault(k, []).append(np.asarray(v))
+    finally:
+        pipe.iterator.close()   # stops input workers, frees their prefetched batches
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:
@@ -563,6 +566,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             return _train(run, checkpointer, pipe.iterator, stop_after)
         finally:
             checkpointer.close()
+            pipe.iterator.close()   # stops input workers, frees their prefetched batches
 
 
 def _stopped_in_set_up(run: Run) -> TrainResult:
