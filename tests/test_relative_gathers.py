@@ -26,10 +26,15 @@ def _index_sizes(jaxpr) -> list[int]:
     return sizes
 
 
+def _layer(gather: str, share_att_key: bool = True) -> DisentangledAttention:
+    """DeBERTa-v3-like: log buckets, c2p + p2c, R = 2·SPAN table rows."""
+    return DisentangledAttention(num_heads=4, head_dim=8, pos_att_type=("c2p", "p2c"),
+                                 span=SPAN, max_relative_positions=64, position_buckets=SPAN,
+                                 share_att_key=share_att_key, gather=gather)
+
+
 def _forward_backward_index_sizes(gather: str, length: int) -> list[int]:
-    layer = DisentangledAttention(num_heads=4, head_dim=8, pos_att_type=("c2p", "p2c"),
-                                  span=SPAN, max_relative_positions=64, position_buckets=SPAN,
-                                  share_att_key=True, gather=gather)
+    layer = _layer(gather)
     x = jnp.ones((2, length, 32))
     table = jnp.ones((2 * SPAN, 32))
     params = layer.init(jax.random.key(0), x, x, rel_table=table)
@@ -53,9 +58,7 @@ def test_take_and_long_shift_gather_every_pair(gather):
 
 
 def test_skew_and_take_agree_beyond_the_table():
-    layer = {g: DisentangledAttention(num_heads=4, head_dim=8, pos_att_type=("c2p", "p2c"),
-                                      span=SPAN, max_relative_positions=64,
-                                      position_buckets=SPAN, gather=g) for g in ("take", "skew")}
+    layer = {g: _layer(g, share_att_key=False) for g in ("take", "skew")}
     kx, kt = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (2, LENGTH, 32))
     table = jax.random.normal(kt, (2 * SPAN, 32))
