@@ -110,3 +110,31 @@ def test_train_workdir_exported_for_transformers(tmp_path):
     ours = pre.module().apply({"params": pre.params}, ids, mask, types)
     np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-5)
     jax.tree.map(np.testing.assert_array_equal, pre.params, params)
+
+
+def test_encoder_from_posjax_checkpoints(hf_mlm, tmp_path, capsys):
+    """--task encoder drops the head of a posjax checkpoint too: the text MLM keeps its
+    encoder subtree; a ViT classifier drops ``head`` and gets num_classes=0. Another head
+    cannot be derived."""
+    from test_convert_npz import random_params
+    from posjax.convert import save_checkpoint
+    from posjax.convert.pretrained import Pretrained
+    mlm = tmp_path / "mlm"
+    assert main(["--from", str(hf_mlm), "--to", str(mlm)]) == 0
+    assert main(["--from", str(mlm), "--to", str(tmp_path / "enc"), "--task", "encoder"]) == 0
+    assert "task=encoder" in capsys.readouterr().out
+    encoder = load_pretrained(tmp_path / "enc")
+    jax.tree.map(np.testing.assert_array_equal, encoder.params,
+                 load_pretrained(hf_mlm).params["encoder"])
+    assert main(["--from", str(mlm), "--to", str(tmp_path / "cls"),
+                 "--task", "classification"]) == 2
+    assert "only 'encoder', which drops the head" in capsys.readouterr().err
+
+    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_heads=2, num_layers=1,
+                    mlp_dim=16, num_classes=3)
+    save_checkpoint(Pretrained(cfg, random_params(cfg, 0), "vit", "classification"),
+                    tmp_path / "vit")
+    vit = load_pretrained(tmp_path / "vit", task="encoder")
+    assert vit.config.num_classes == 0 and "head" not in vit.params
+    images = np.zeros((1, 16, 16, 3), np.float32)
+    assert vit.module().apply({"params": vit.params}, images).shape == (1, 16)

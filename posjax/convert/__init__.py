@@ -63,9 +63,11 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         pre = load_checkpoint(path) if (path / MODEL_CONFIG).is_file() else \
             load_train_workdir(path)
         default_method = "bilinear"
-        if task not in (None, pre.task):
+        if task == "encoder":
+            pre = pre.without_head()
+        elif task not in (None, pre.task):
             raise ValueError(f"{path}: holds a {pre.task!r} model; task={task!r} cannot be "
-                             "derived from a posjax checkpoint")
+                             "derived from it (only 'encoder', which drops the head)")
     elif path.is_dir():
         pre, default_method = _load_hf(path, task), "bicubic"
     else:

@@ -85,6 +85,19 @@ class Pretrained:
     def module(self) -> nn.Module:
         return build_module(self.kind, self.task, self.config, self.num_labels)
 
+    def without_head(self) -> "Pretrained":
+        """The encoder alone (task 'encoder'): a text model keeps ``params['encoder']``; a ViT
+        drops ``head`` (keeps ``pre_logits``) and gets ``num_classes=0``."""
+        if self.task == "encoder":
+            return self
+        if self.kind == "vit":
+            config = dataclasses.replace(self.config, num_classes=0)
+            params = {k: v for k, v in self.params.items() if k != "head"}
+        else:
+            config, params = self.config, self.params["encoder"]
+        check_tree(params, expected_params(self.kind, "encoder", config), "without_head")
+        return Pretrained(config, params, self.kind, "encoder")
+
     def with_scan_layers(self, scan_layers: bool) -> "Pretrained":
         """The same model with ``config.scan_layers`` set and the layer params restacked
         (``posjax.models.layout``): values unchanged, only the tree layout differs."""
