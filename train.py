@@ -1,6 +1,7 @@
 """Train a model: python train.py [--config configs/X.py[:variant]] [--workdir DIR] [--config.a.b=v]
 
-With no flags it trains the default ViT on scikit-learn's digits into /tmp/posjax_digits.
+With no flags it trains the default ViT on scikit-learn's digits into /tmp/posjax_digits; any
+other ``--config`` needs a ``--workdir``.
 Rerunning with the same workdir resumes from the latest checkpoint.
 """
 import pathlib
@@ -13,7 +14,9 @@ from posjax.training import loop
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
 
 loop.define_config_flag(DEFAULT_CONFIG, "Training config file[:variant].")
-flags.DEFINE_string("workdir", "/tmp/posjax_digits", "Directory for checkpoints and logs.")
+DEFAULT_WORKDIR = "/tmp/posjax_digits"
+flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs (default, for the "
+                    f"default config only: {DEFAULT_WORKDIR}).")
 
 
 def main(argv):
@@ -22,10 +25,14 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
     config = flags.FLAGS.config
+    workdir = flags.FLAGS.workdir
+    if workdir is None and flags.FLAGS["config"].present:
+        sys.exit("error: --config needs a --workdir of its own (the default "
+                 f"{DEFAULT_WORKDIR} is the default config's)")
 
     def train() -> loop.TrainResult:
         loop.maybe_initialize_distributed(config)
-        return loop.train(config, flags.FLAGS.workdir)
+        return loop.train(config, workdir or DEFAULT_WORKDIR)
 
     result = loop.run_command(train)
     if result.preempted and result.step == 0:

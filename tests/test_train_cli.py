@@ -56,6 +56,10 @@ def test_bad_input_exits_with_one_message(tmp_path):
     assert variant.stderr.strip().splitlines() == [
         "error: cannot load the config given by --config configs/vit_digits.py:bogus: variant "
         "'bogus' is unknown: use '' (default) or 'tiny'"]
+    no_workdir = _run("train.py", *TINY)     # would mix its checkpoints into the default run's
+    assert no_workdir.returncode == 1 and no_workdir.stderr.strip().splitlines() == [
+        "error: --config needs a --workdir of its own (the default /tmp/posjax_digits is the "
+        "default config's)"]
     assert not workdir.exists()
 
 

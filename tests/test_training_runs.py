@@ -232,6 +232,14 @@ def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
                                    grid[..., [0, 3], :, :], atol=1e-6)
 
 
+def test_a_run_started_from_init_from_says_so(tmp_path, capsys):
+    _, export = _export(syn.tiny_config(), tmp_path)
+    config = syn.tiny_config(**{"init_from": str(export), "num_steps": 1,
+                                "optimizer.warmup_steps": 0})
+    loop.train(config, tmp_path / "run")
+    assert f"parameters initialised from {export}\n" in capsys.readouterr().out
+
+
 def test_init_from_keeps_a_position_table_it_cannot_map(tmp_path):
     """[CLS] + 4x4 patches in the checkpoint, patches only here (pooling='gap'): the table is
     not resampled from a guessed grid; it keeps its init, the rest loads."""

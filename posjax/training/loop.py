@@ -572,7 +572,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 def _stopped_in_set_up(run: Run) -> TrainResult:
     """A stop requested before the first step of this run: nothing new to save."""
     steps = saved_steps(run.workdir)
-    logging.warning("stopped before the first step of this run; rerun to resume")
     return TrainResult(steps[-1] if steps else 0, True, {})
 
 
@@ -596,6 +595,7 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
     if run.config.init_from:
         state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
                                          run.task.patch_grid)
+        _print(run, f"parameters initialised from {run.config.init_from}")
     return state, 0
 
 
@@ -657,8 +657,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 checkpointer.wait()
                 preempted = True
                 break
-        if preempted:
-            logging.warning("stopped at step %d with a checkpoint; rerun to resume", step)
+        if preempted:   # train.py says so
             writer.close()
             return TrainResult(step, True, {})
         if checkpointer.latest_step() != step:
