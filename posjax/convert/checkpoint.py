@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import jax
 import numpy as np
@@ -117,8 +118,18 @@ def load_train_workdir(folder: str | pathlib.Path) -> Pretrained:
     if kind == "vit":
         task = "classification" if config.num_classes else "encoder"
     try:
-        restored = ocp.StandardCheckpointer().restore(state_dir)["params"]
+        # The handler, not a Checkpointer: the step's metadata file is one level up.
+        restored = _restore_item(state_dir)["params"]
     except Exception as e:   # orbax raises assorted errors for missing/corrupt data
         raise ValueError(f"{state_dir}: cannot restore the train state ({type(e).__name__}: "
                          f"{e})") from e
     return _checked(folder, kind, task, config, restored)
+
+
+def _restore_item(directory: pathlib.Path) -> dict[str, Any]:
+    """An Orbax item saved by a CheckpointManager (e.g. ``checkpoints/<step>/state``)."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        return handler.restore(directory)
+    finally:
+        handler.close()

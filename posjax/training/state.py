@@ -111,9 +111,14 @@ def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str,
     top-level ``params`` tree."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.StandardCheckpointer().metadata(params_dir)
-    tree = getattr(meta, "item_metadata", meta)
-    tree = dict(getattr(tree, "tree", tree))
+    # The handler, not a Checkpointer: a train.py step's ``state`` item has no checkpoint-level
+    # metadata file of its own, which a Checkpointer warns about.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        meta = handler.metadata(params_dir)
+    finally:
+        handler.close()
+    tree = dict(getattr(meta, "tree", meta))
     if "params" not in tree:
         raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
                          f"(top-level keys {sorted(tree)})")
@@ -204,10 +209,13 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     # which would otherwise be read and replicated on every device for nothing.
     item = {"params": jax.tree_util.tree_map_with_path(
         abstract, dict(tree["params"]), is_leaf=lambda x: hasattr(x, "shape"))}
-    with ocp.PyTreeCheckpointer() as ckptr:
-        loaded = ckptr.restore(params_dir, args=ocp.args.PyTreeRestore(
+    handler = ocp.PyTreeCheckpointHandler()     # as in _saved_tree
+    try:
+        loaded = handler.restore(params_dir, args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
             partial_restore=True))
+    finally:
+        handler.close()
     # Either layer layout loads into either (scan_layers on one side only): restack.
     target_scanned = any("['layers']" in key for key in target)
     loaded = {"params": to_layout(loaded["params"], target_scanned)}
