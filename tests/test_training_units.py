@@ -60,7 +60,10 @@ def _matmul_flops(jaxpr) -> float:
     {"position_scheme": "deberta", "pooling": "gap"},
     {"resnet_layers": (1, 1), "patch_size": 1, "image_size": 32},
     {"position_scheme": "tupe_r"},
-], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid", "tupe_r_token"])
+    # A one-row grid: both axes' indices are Toeplitz, but only text takes the relative shift.
+    {"position_scheme": "deberta", "pooling": "gap", "image_size": (4, 16), "gather": "skew"},
+], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid", "tupe_r_token",
+        "deberta_one_row_grid"])
 def test_analytic_flops_equal_the_traced_matmuls(overrides):
     """A batch of 3 images: B · per_example + per_step equals the traced model's matmuls (the
     position tables of TUPE and DeBERTa are computed once per batch, not per image)."""
@@ -125,6 +128,26 @@ def test_classifier_flops_equal_the_traced_matmuls(overrides):
     forward = flops.text_encoder_forward_flops(cfg, 12, first_only=True) + head
     assert forward.total(3) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
     assert forward.total(3) < (flops.text_encoder_forward_flops(cfg, 12) + head).total(3)
+
+
+@pytest.mark.parametrize("gather", ["take", "shift", "skew"])
+@pytest.mark.parametrize("span", [4, 64])      # R = 8 < 2T − 1 = 95 < R = 128
+def test_emd_mlm_flops_equal_the_traced_matmuls(gather, span):
+    """DeBERTa MLM with the enhanced mask decoder, 3 sequences of 48 tokens, 6 masked slots:
+    the EMD's position products use all R rows whatever the gather (a per-example index)."""
+    from posjax.models.config import TextConfig
+    from posjax.models.text import TextForMaskedLM
+    from posjax.training.text_tasks import mlm_head_flops
+    cfg = TextConfig(position_scheme="deberta_v2", vocab_size=32, hidden_size=32, num_heads=4,
+                     num_layers=2, mlp_dim=64, max_position_embeddings=64,
+                     max_relative_positions=span, use_emd=True, position_biased_input=False,
+                     gather=gather)
+    model = TextForMaskedLM(cfg)
+    ids, masked = jnp.ones((3, 48), jnp.int32), jnp.zeros((3, 6), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids, ids, masked_positions=masked)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, ids, ids, masked_positions=masked))(params)
+    forward = flops.text_encoder_forward_flops(cfg, 48) + mlm_head_flops(cfg, 6, 48)
+    assert forward.total(3) == pytest.approx(_matmul_flops(jaxpr.jaxpr), rel=1e-9)
 
 
 def test_position_flops_per_step_and_per_example_by_hand():

@@ -41,8 +41,8 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
     """
     total, full = None, None
     for idx in index:
-        cols = (_toeplitz_columns(idx) if method in ("shift", "skew")
-                and isinstance(idx, np.ndarray) else None)
+        cols = (_toeplitz_columns(idx) if method in ("shift", "skew") and len(index) == 1
+                and isinstance(idx, np.ndarray) else None)   # text only (grids: 2 axes)
         if isinstance(idx, np.ndarray) and idx.ndim == 2 and 1 in idx.shape:
             term = _thin_position_logits(content, table, idx)
         elif cols is not None and (method == "skew" or len(cols) <= table.shape[0]):

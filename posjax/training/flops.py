@@ -77,10 +77,7 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         rows = tokens + 1
         return Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
     if scheme in ("deberta", "deberta_v2"):
-        span = relative_span(cfg)
-        if scheme == "deberta" and axes == 1:
-            span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
-        rows = axes * 2 * span
+        rows = deberta_table_rows(cfg, tokens, axes)
         # The relative shift on text multiplies the 2T − 1 table rows of the distances
         # (posjax.layers.disentangled.position_logits): ``shift`` when they are fewer than R,
         # ``skew`` always.
@@ -96,6 +93,25 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
             per_example += per_layer * 2.0 * tokens * h
         return Flops(per_example=per_example, per_step=terms * 2.0 * rows * h * h)
     return Flops()
+
+
+def deberta_table_rows(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> int:
+    """R, the relative-table rows DeBERTa multiplies: axes · 2k (v1 text: 2·min(T, k))."""
+    span = relative_span(cfg)
+    if cfg.position_scheme == "deberta" and axes == 1:
+        span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
+    return axes * 2 * span
+
+
+def emd_position_flops(cfg: TextConfig, queries: int, tokens: int) -> Flops:
+    """DeBERTa's position terms in one pass of the enhanced mask decoder: ``queries`` masked
+    slots over ``tokens`` keys. Their index is per example, so every gather strategy multiplies
+    all R table rows: c2p 2·Q·R·H, p2c 2·T·R·H per example; the table projection 2·R·H² per
+    term once per step."""
+    h, rows = cfg.hidden_size, deberta_table_rows(cfg, tokens)
+    per_example = sum(2.0 * (queries if term == "c2p" else tokens) * rows * h
+                      for term in cfg.pos_att_type)
+    return Flops(per_example=per_example, per_step=len(cfg.pos_att_type) * 2.0 * rows * h * h)
 
 
 def encoder_forward_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,

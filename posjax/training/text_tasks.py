@@ -70,15 +70,13 @@ def mlm_head_flops(cfg: TextConfig, predictions: int, length: int) -> flops.Flop
     """Forward FLOPs after the encoder for ``predictions`` masked slots of each sequence:
     dense H->E and tied logits E->V per slot; with EMD two more passes of the last layer for
     the slot queries over ``length`` keys (Q/out projections and MLP on the slots, K/V on all
-    tokens, scores and weighted values; DeBERTa's position terms counted like one encoder
-    layer's, its table projection once per step)."""
+    tokens, scores and weighted values, ``flops.emd_position_flops``)."""
     h, e, m, t = cfg.hidden_size, cfg.input_embedding_size, predictions, length
     per_sequence = 2.0 * m * h * e + 2.0 * m * e * cfg.vocab_size
     total = flops.Flops(per_example=per_sequence)
     if cfg.use_emd:
         layer = flops.attention_layer_flops(t, h, cfg.mlp_dim, queries=m)
-        one_layer_positions = flops.position_flops(cfg, t).scaled(1 / cfg.num_layers)
-        total += (flops.Flops(per_example=layer) + one_layer_positions).scaled(2)
+        total += (flops.Flops(per_example=layer) + flops.emd_position_flops(cfg, m, t)).scaled(2)
     return total
 
 
