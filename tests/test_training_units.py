@@ -416,6 +416,13 @@ def test_worker_count_change_is_refused_on_resume(tmp_path):
         loop.check_workdir(workdir, changed)
 
 
+def test_init_from_with_an_empty_params_folder_is_one_error(tmp_path):
+    (tmp_path / "params").mkdir()          # a converter folder whose save never happened
+    with pytest.raises(ValueError, match=r"^init_from='.*': .*params: cannot read this "
+                                         r"checkpoint \(FileNotFoundError: "):
+        state_lib.check_init_from(tmp_path, {})
+
+
 def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
     """A resumed run (or an evaluation) never reads init_from: it may be gone or changed;
     config.json keeps where the run's weights came from."""

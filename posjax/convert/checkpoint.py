@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +23,7 @@ from posjax.convert.destination import write_directory
 from posjax.convert.mapping import check_tree, flatten
 from posjax.convert.pretrained import KINDS, TASKS, Pretrained, expected_params
 from posjax.models.config import TextConfig, ViTConfig
+from posjax.training.checkpoint import read_item
 
 MODEL_CONFIG = "model_config.json"
 PARAMS = "params"
@@ -117,19 +117,7 @@ def load_train_workdir(folder: str | pathlib.Path) -> Pretrained:
     config = (TextConfig if kind == "text" else ViTConfig).from_dict(fields)
     if kind == "vit":
         task = "classification" if config.num_classes else "encoder"
-    try:
-        # The handler, not a Checkpointer: the step's metadata file is one level up.
-        restored = _restore_item(state_dir)["params"]
-    except Exception as e:   # orbax raises assorted errors for missing/corrupt data
-        raise ValueError(f"{state_dir}: cannot restore the train state ({type(e).__name__}: "
-                         f"{e})") from e
+    restored = read_item(state_dir, ocp.StandardCheckpointHandler(),
+                         lambda handler: handler.restore(state_dir))["params"]
     return _checked(folder, kind, task, config, restored)
 
-
-def _restore_item(directory: pathlib.Path) -> dict[str, Any]:
-    """An Orbax item saved by a CheckpointManager (e.g. ``checkpoints/<step>/state``)."""
-    handler = ocp.StandardCheckpointHandler()
-    try:
-        return handler.restore(directory)
-    finally:
-        handler.close()

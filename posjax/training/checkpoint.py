@@ -15,7 +15,7 @@ import pathlib
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import grain
 import jax
@@ -175,3 +175,20 @@ def _root_cause(error: BaseException) -> str:
         error = inner
     line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return line if len(line) <= 300 else line[:297] + "..."
+
+
+T = TypeVar("T")
+
+
+def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -> T:
+    """``read(handler)`` on one Orbax item folder: a converter's ``params/``, or the ``state``
+    item of a train.py step, whose checkpoint-level metadata file is one level up (so a
+    Checkpointer would warn that it is missing; the item's handler does not). The handler is
+    closed after; a missing or damaged item raises one ValueError naming the folder."""
+    try:
+        return read(handler)
+    except Exception as e:   # noqa: BLE001 -- Orbax raises assorted errors for such files
+        raise ValueError(f"{directory}: cannot read this checkpoint ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from e
+    finally:
+        handler.close()

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 
 from posjax.layers.positions import resample_position_table
 from posjax.models.layout import to_layout
+from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training.tasks import Task
 
@@ -111,13 +112,11 @@ def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str,
     top-level ``params`` tree."""
     import orbax.checkpoint as ocp
 
-    # The handler, not a Checkpointer: a train.py step's ``state`` item has no checkpoint-level
-    # metadata file of its own, which a Checkpointer warns about.
-    handler = ocp.PyTreeCheckpointHandler()
     try:
-        meta = handler.metadata(params_dir)
-    finally:
-        handler.close()
+        meta = ckpt_lib.read_item(params_dir, ocp.PyTreeCheckpointHandler(),
+                                  lambda handler: handler.metadata(params_dir))
+    except ValueError as e:
+        raise ValueError(f"init_from={str(path)!r}: {e}") from None
     tree = dict(getattr(meta, "tree", meta))
     if "params" not in tree:
         raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
@@ -209,13 +208,10 @@ def read_pretrained(path: str | pathlib.Path, target_params: Any, param_sharding
     # which would otherwise be read and replicated on every device for nothing.
     item = {"params": jax.tree_util.tree_map_with_path(
         abstract, dict(tree["params"]), is_leaf=lambda x: hasattr(x, "shape"))}
-    handler = ocp.PyTreeCheckpointHandler()     # as in _saved_tree
-    try:
-        loaded = handler.restore(params_dir, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True))
-    finally:
-        handler.close()
+    args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+    loaded = ckpt_lib.read_item(params_dir, ocp.PyTreeCheckpointHandler(),
+                                lambda handler: handler.restore(params_dir, args=args))
     # Either layer layout loads into either (scan_layers on one side only): restack.
     target_scanned = any("['layers']" in key for key in target)
     loaded = {"params": to_layout(loaded["params"], target_scanned)}
