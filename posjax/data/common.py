@@ -48,6 +48,9 @@ def signals_to_receiver_thread() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_waits_at_exit = False      # prepare_input_workers registered wait_for_shared_memory_release
+
+
 def prepare_input_workers() -> None:
     """Call before a pipeline starts Grain worker processes.
 
@@ -69,9 +72,6 @@ def prepare_input_workers() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-_waits_at_exit = False
-
-
 def wait_for_shared_memory_release() -> None:
     """Collect unreachable batches and wait until Grain has unlinked their shared memory.
 
@@ -88,7 +88,7 @@ def wait_for_shared_memory_release() -> None:
         return
     if pool is not None:
         with contextlib.suppress(ValueError):   # a pool already closed has nothing queued
-            pool.apply(int)   # first in, first out: returns once every earlier unlink ran
+            pool.apply(int)   # one thread, first in first out: every earlier unlink has run
 
 
 def input_worker_init(worker_index: int, worker_count: int) -> None:

@@ -18,6 +18,7 @@ it and returns ``preempted=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -449,7 +450,7 @@ def run_evaluation(run: Run, params: Any, eval_step, pipe: Any = None,
     process 0)."""
     pipe = run.make_eval_pipeline() if pipe is None else pipe
     collected: dict[str, list[np.ndarray]] = {}
-    try:
+    with contextlib.closing(pipe.iterator):   # as in train: stops the input workers
         for local in pipe.iterator:
             batch = global_batch(local, run.mesh)
             outputs = dict(eval_step(params, batch))
@@ -457,8 +458,6 @@ def run_evaluation(run: Run, params: Any, eval_step, pipe: Any = None,
             gathered = multihost_utils.process_allgather(outputs, tiled=True)
             for k, v in gathered.items():
                 collected.setdefault(k, []).append(np.asarray(v))
-    finally:
-        pipe.iterator.close()   # stops input workers, frees their prefetched batches
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:
@@ -554,19 +553,20 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         run = prepare(config, workdir, training=True)
         # Data errors (and data that does not fit the model) before anything is written.
         pipe = run.make_pipeline("train", config.batch_size, True)
-        if stop.requested:   # before anything is written
-            return _stopped_in_set_up(run)
-        run.workdir.mkdir(parents=True, exist_ok=True)
-        if run.is_main:
-            write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
-        checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
-                                             config.checkpoint.keep,
-                                             config.checkpoint.async_save, stop=stop)
-        try:
-            return _train(run, checkpointer, pipe.iterator, stop_after)
-        finally:
-            checkpointer.close()
-            pipe.iterator.close()   # stops input workers, frees their prefetched batches
+        # Closing stops the input workers and frees the batches they had prefetched.
+        with contextlib.closing(pipe.iterator):
+            if stop.requested:   # before anything is written
+                return _stopped_in_set_up(run)
+            run.workdir.mkdir(parents=True, exist_ok=True)
+            if run.is_main:
+                write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
+            checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
+                                                 config.checkpoint.keep,
+                                                 config.checkpoint.async_save, stop=stop)
+            try:
+                return _train(run, checkpointer, pipe.iterator, stop_after)
+            finally:
+                checkpointer.close()
 
 
 def _stopped_in_set_up(run: Run) -> TrainResult:
