@@ -1,4 +1,5 @@
-"""Inputs shared by the model tests: random parameters and right-padded batches.
+"""Inputs shared by the model tests: random parameters and right-padded batches (and a walk
+over a traced model's equations, ``every_eqn``).
 
 Parameters are drawn at a scale where every term matters (the 0.02 init makes attention
 nearly uniform, so a wrong position index would change outputs by less than the tolerance):
@@ -68,3 +69,15 @@ def max_abs_error(model_out: Any, reference: np.ndarray, where: np.ndarray | Non
     if where is not None:
         diff = diff[np.broadcast_to(where, diff.shape)]
     return float(diff.max()) if diff.size else 0.0
+
+
+def every_eqn(jaxpr: Any) -> Any:
+    """The equations of a jaxpr and, recursively, of the sub-jaxprs in their parameters
+    (jit, scan, custom_vjp, remat ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from every_eqn(inner)

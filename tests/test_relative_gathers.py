@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_inputs import every_eqn
 from posjax.layers.disentangled import DisentangledAttention
 
 LENGTH, SPAN = 40, 16          # 2L − 1 = 79 distances > R = 2k = 32 table rows
@@ -14,16 +15,8 @@ LENGTH, SPAN = 40, 16          # 2L − 1 = 79 distances > R = 2k = 32 table row
 
 def _index_sizes(jaxpr) -> list[int]:
     """Index counts of every gather and scatter in a jaxpr and its sub-jaxprs."""
-    sizes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "gather" or eqn.primitive.name.startswith("scatter"):
-            sizes.append(int(np.prod(eqn.invars[1].aval.shape[:-1])))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    sizes += _index_sizes(inner)
-    return sizes
+    return [int(np.prod(eqn.invars[1].aval.shape[:-1])) for eqn in every_eqn(jaxpr)
+            if eqn.primitive.name == "gather" or eqn.primitive.name.startswith("scatter")]
 
 
 def _layer(gather: str, share_att_key: bool = True) -> DisentangledAttention:

@@ -22,6 +22,7 @@ from posjax.training import mesh as mesh_lib
 from posjax.training import state as state_lib
 
 import test_training_synthetic as syn
+from model_inputs import every_eqn
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -30,7 +31,7 @@ import test_training_synthetic as syn
 def _matmul_flops(jaxpr) -> float:
     """2·MACs of every dot_general and convolution in a jaxpr (recursing into sub-jaxprs)."""
     total = 0.0
-    for eqn in jaxpr.eqns:
+    for eqn in every_eqn(jaxpr):
         name = eqn.primitive.name
         if name == "dot_general":
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -44,12 +45,6 @@ def _matmul_flops(jaxpr) -> float:
             out = eqn.outvars[0].aval.shape
             kernel = eqn.invars[1].aval.shape            # HWIO as Flax lays it out
             total += 2.0 * math.prod(out) * math.prod(kernel[:-1])
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                    total += _matmul_flops(sub.jaxpr)
-                elif hasattr(sub, "eqns"):
-                    total += _matmul_flops(sub)
     return total
 
 

@@ -120,4 +120,3 @@ def load_train_workdir(folder: str | pathlib.Path) -> Pretrained:
     restored = read_item(state_dir, ocp.StandardCheckpointHandler(),
                          lambda handler: handler.restore(state_dir))["params"]
     return _checked(folder, kind, task, config, restored)
-

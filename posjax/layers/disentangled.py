@@ -45,7 +45,7 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
                 and isinstance(idx, np.ndarray) else None)   # text only (grids: 2 axes)
         if isinstance(idx, np.ndarray) and idx.ndim == 2 and 1 in idx.shape:
             term = _thin_position_logits(content, table, idx)
-        elif cols is not None and (method == "skew" or len(cols) <= table.shape[0]):
+        elif cols is not None and takes_relative_shift(method, len(cols), table.shape[0]):
             term = _skew(jnp.einsum("bqhd,chd->bhqc", content, table[cols],
                                     preferred_element_type=jnp.float32))
         else:
@@ -55,6 +55,12 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
             term = relative_gather(full, idx, method)
         total = term if total is None else total + term
     return total
+
+
+def takes_relative_shift(method: str, distances: int, rows: int) -> bool:
+    """Whether a text index of ``distances`` = 2L − 1 distances and an R-row table (``rows``)
+    take the relative shift: ``skew`` always, ``shift`` when 2L − 1 <= R."""
+    return method == "skew" or (method == "shift" and distances <= rows)
 
 
 def _thin_position_logits(content: Array, table: Array, index: np.ndarray) -> Array:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from posjax.layers.disentangled import takes_relative_shift
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.encoder import can_run_first_only, relative_span
 
@@ -78,12 +79,9 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         return Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
     if scheme in ("deberta", "deberta_v2"):
         rows = deberta_table_rows(cfg, tokens, axes)
-        # The relative shift on text multiplies the 2T − 1 table rows of the distances
-        # (posjax.layers.disentangled.position_logits): ``shift`` when they are fewer than R,
-        # ``skew`` always.
+        # The relative shift (text only) multiplies the 2T − 1 table rows of the distances.
         product_rows = rows
-        if axes == 1 and (cfg.gather == "skew"
-                          or cfg.gather == "shift" and 2 * tokens - 1 <= rows):
+        if axes == 1 and takes_relative_shift(cfg.gather, 2 * tokens - 1, rows):
             product_rows = 2 * tokens - 1
         per_layer = len(cfg.pos_att_type)
         terms = cfg.num_layers * per_layer
