@@ -9,6 +9,7 @@ multi-process via JAX's preemption sync point, so every process saves the same s
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pathlib
@@ -137,6 +138,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
+            silence_failed_reads(path)
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead" if others else "to start over")
             raise ValueError(
@@ -177,6 +179,50 @@ def _root_cause(error: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+class _MentionsPath(logging.Filter):
+    """Drops log records whose text names ``path``."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = str(path)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.path not in record.getMessage()
+
+
+def _is_callback_into_closed_loop(unraisable: Any) -> bool:
+    """A TensorStore read finishing after Orbax closed the event loop that awaited it."""
+    error, frames = unraisable.exc_value, unraisable.exc_traceback
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    while frames is not None:
+        if frames.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        frames = frames.tb_next
+    return False
+
+
+def silence_failed_reads(path: pathlib.Path) -> None:
+    """After a read of ``path`` failed: the caller reports the failure once, so drop the echoes.
+
+    Orbax awaits all of a checkpoint's array reads at once and closes its event loop when the
+    first fails. The other reads of the same damaged files then fail too, each logged by
+    asyncio as "exception was never retrieved" (with a multi-kilobyte TensorStore spec) when
+    its task is collected, and reads still in flight call back into the closed loop ("Event
+    loop is closed", printed as an unraisable exception). A damaged checkpoint printed tens
+    of kilobytes of both after the one error that names it. Dropped from here on: asyncio
+    records that name ``path``, and callbacks into a closed event loop."""
+    logging.getLogger("asyncio").addFilter(_MentionsPath(path))
+    previous = sys.unraisablehook
+    if not getattr(previous, "drops_closed_loop_callbacks", False):
+        def hook(unraisable: Any) -> None:
+            if not _is_callback_into_closed_loop(unraisable):
+                previous(unraisable)
+        hook.drops_closed_loop_callbacks = True
+        sys.unraisablehook = hook
+    gc.collect()   # the failed tasks are reported now, while the filter is in place
+
+
 T = TypeVar("T")
 
 
@@ -188,6 +234,7 @@ def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -
     try:
         return read(handler)
     except Exception as e:   # noqa: BLE001 -- Orbax raises assorted errors for such files
+        silence_failed_reads(directory)
         raise ValueError(f"{directory}: cannot read this checkpoint ({type(e).__name__}: "
                          f"{' '.join(str(e).split())})") from e
     finally:
