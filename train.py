@@ -35,10 +35,8 @@ def main(argv):
         return loop.train(config, workdir or DEFAULT_WORKDIR)
 
     result = loop.run_command(train)
-    if result.preempted and result.step == 0:
-        print("stopped before the first step: nothing to save; rerun to start")
-    elif result.preempted:
-        print(f"preempted: checkpoint saved at step {result.step}; rerun to resume")
+    if result.stop_line():
+        print(result.stop_line())
 
 
 if __name__ == "__main__":

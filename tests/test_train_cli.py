@@ -117,41 +117,58 @@ from posjax.training import loop, state as state_lib
 sys.path.insert(0, "configs")
 import vit_digits
 
+def sigterm_after(module, name):   # the signal arrives during this step of the set-up
+    original = getattr(module, name)
+    def then_sigterm(*args, **kwargs):
+        result = original(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        return result
+    setattr(module, name, then_sigterm)
+    return lambda: setattr(module, name, original)
+
 workdir, where = sys.argv[1], sys.argv[2]
-module = {"prepare": loop, "init_state": state_lib}[where]
-original = getattr(module, where)
-def then_sigterm(*args, **kwargs):   # the signal arrives during this step of the set-up
-    result = original(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.5)
-    return result
-setattr(module, where, then_sigterm)
+undo = sigterm_after({"prepare": loop, "init_state": state_lib}[where], where)
 config = vit_digits.get_config("tiny")
 config.num_steps = 3
 stopped = loop.train(config, workdir)
 saved = os.listdir(workdir + "/checkpoints") if os.path.exists(workdir) else "no workdir"
-print("first:", stopped.step, stopped.preempted, saved, flush=True)
+print("first:", stopped.step, stopped.preempted, saved, stopped.stop_line(), flush=True)
 try:
     loop.evaluate(config, workdir)
 except ValueError as e:
     print("eval:", e, flush=True)
-setattr(module, where, original)
+undo()
+stopped = loop.train(config, workdir, stop_after=2)
+print("second:", stopped.step, stopped.preempted, stopped.stop_line(), flush=True)
+undo = sigterm_after(loop, "prepare")   # a resume stopped in its set-up
+stopped = loop.train(config, workdir)
+print("third:", stopped.step, stopped.preempted, stopped.stop_line(), flush=True)
+undo()
 finished = loop.train(config, workdir)
-print("second:", finished.step, finished.preempted, flush=True)
+print("fourth:", finished.step, finished.preempted, finished.stop_line(), flush=True)
 """
 
 
 @pytest.mark.parametrize("where", ["prepare", "init_state"])
 def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path, where):
     """SIGTERM before the first step: no crash, nothing saved (before the workdir is written
-    when it comes that early), and the same command trains afterwards."""
+    when it comes that early), a message that says so, and the same command trains
+    afterwards; a resume stopped in its set-up says which step it will resume from."""
     workdir = tmp_path / "run"
     done = _run("-c", SIGTERM_DURING_SETUP, str(workdir), where)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "SIGTERM: will save a checkpoint after the current step and exit" in done.stderr
+    assert done.stderr.count("SIGTERM: stopping before the first step; nothing new to save") \
+        == 2, done.stderr[-2000:]
+    assert "will save a checkpoint" not in done.stderr
     lines = done.stdout.splitlines()
     saved = "no workdir" if where == "prepare" else "[]"
-    assert f"first: 0 True {saved}" in lines and "second: 3 False" in lines, done.stdout
+    assert f"first: 0 True {saved} stopped before the first step of this run: nothing new to " \
+           "save; rerun to start" in lines, done.stdout
+    assert "second: 2 True preempted: checkpoint saved at step 2; rerun to resume" in lines
+    assert "third: 2 True stopped before the first step of this run: nothing new to save; " \
+           "rerun to resume from step 2" in lines, done.stdout
+    assert "fourth: 3 False None" in lines, done.stdout
     if where == "init_state":
         assert f"eval: {workdir / 'checkpoints'} holds no saved step yet: train there first" \
             in done.stdout
@@ -162,6 +179,7 @@ import time
 from posjax.data.common import signals_to_receiver_thread
 from posjax.training.checkpoint import StopRequest
 with signals_to_receiver_thread(), StopRequest() as stop:
+    stop.begin_steps()   # as the training loop does before its first step
     print("ready", flush=True)
     time.sleep(float(__import__("sys").argv[1]))   # the main thread busy, as in a compile
 print("finished, stop requested:", stop.requested, flush=True)

@@ -24,8 +24,10 @@ import orbax.checkpoint as ocp
 
 
 class StopRequest:
-    """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to save after the
-    current step and stop (``requested``); a second Ctrl-C aborts at once, status 130.
+    """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to stop
+    (``requested``): after the current step, with a checkpoint, once ``begin_steps`` was
+    called; before the first step, with nothing new to save, before that. A second Ctrl-C
+    aborts at once, status 130.
 
     Single process, main thread only; with several processes nothing is installed: JAX's
     preemption service owns SIGTERM (``Checkpointer.reached_preemption``), and Ctrl-C keeps
@@ -39,6 +41,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.in_steps = False
         self._lock = threading.Lock()
         self._previous: dict[int, Any] = {}
         self._previous_fd: int | None = None
@@ -66,6 +69,13 @@ class StopRequest:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def begin_steps(self) -> bool:
+        """From now on a stop saves after the current step; returns whether a stop was
+        requested before (the run then stops with nothing new to save)."""
+        with self._lock:
+            self.in_steps = True
+            return self.requested
+
     def _watch(self, read_fd: int) -> None:
         interrupts = 0
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
@@ -85,9 +95,13 @@ class StopRequest:
             if self.requested:
                 return
             self.requested = True
-        again = "; Ctrl-C again aborts without saving" if signum == signal.SIGINT else ""
-        logging.warning("%s: will save a checkpoint after the current step and exit%s",
-                        signal.Signals(signum).name, again)
+            in_steps = self.in_steps
+        what = ("will save a checkpoint after the current step and exit" if in_steps
+                else "stopping before the first step; nothing new to save")
+        again = ("" if signum != signal.SIGINT else
+                 "; Ctrl-C again aborts without saving" if in_steps else
+                 "; Ctrl-C again aborts at once")
+        logging.warning("%s: %s%s", signal.Signals(signum).name, what, again)
 
 
 class Checkpointer:

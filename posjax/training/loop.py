@@ -537,8 +537,18 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 @dataclasses.dataclass
 class TrainResult:
     step: int                      # last step reached
-    preempted: bool                # stopped by SIGTERM after saving
+    preempted: bool                # stopped by SIGTERM (or stop_after), after saving
     eval: dict[str, float]         # final eval metrics (empty when preempted)
+    start: int                     # the step this run started from (= step: stopped in set-up)
+
+    def stop_line(self) -> str | None:
+        """What train.py prints when the run stopped before num_steps (None if it did not)."""
+        if not self.preempted:
+            return None
+        if self.step != self.start:
+            return f"preempted: checkpoint saved at step {self.step}; rerun to resume"
+        rerun = f"rerun to resume from step {self.step}" if self.step else "rerun to start"
+        return f"stopped before the first step of this run: nothing new to save; {rerun}"
 
 
 @signals_to_receiver_thread()   # input workers never die of a group SIGTERM
@@ -572,7 +582,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 def _stopped_in_set_up(run: Run) -> TrainResult:
     """A stop requested before the first step of this run: nothing new to save."""
     steps = saved_steps(run.workdir)
-    return TrainResult(steps[-1] if steps else 0, True, {})
+    last = steps[-1] if steps else 0
+    return TrainResult(last, True, {}, last)
 
 
 def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -604,7 +615,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
-    if checkpointer.stop and checkpointer.stop.requested:   # nothing new to save
+    if checkpointer.stop and checkpointer.stop.begin_steps():   # nothing new to save
         return _stopped_in_set_up(run)
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
                                            task.dummy_batch(1), config.microbatches)
@@ -659,7 +670,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 break
         if preempted:   # train.py says so
             writer.close()
-            return TrainResult(step, True, {})
+            return TrainResult(step, True, {}, start)
         if checkpointer.latest_step() != step:
             save(force=True)
         checkpointer.wait()
@@ -672,7 +683,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     if run.is_main:
         metrics_lib.plot_curves(run.workdir)
     _print(run, f"final eval at step {step}: {_format(result)}  ({path})")
-    return TrainResult(step, False, result)
+    return TrainResult(step, False, result, start)
 
 
 class Diverged(RuntimeError):
