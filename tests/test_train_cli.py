@@ -280,3 +280,39 @@ def test_divergence_stops_before_saving_a_non_finite_state(tmp_path):
     assert not list((tmp_path / "b" / "checkpoints").iterdir())
     logged = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3] and math.isnan(logged[-1]["loss"])
+
+
+HOLD_WORKDIR = """
+import pathlib, sys, time
+from posjax.training import workdir_lock
+with workdir_lock.exclusive(pathlib.Path(sys.argv[1])):   # as a training run does
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused_until_the_first_ends(tmp_path):
+    """While a run holds the workdir, another train.py there exits 1 with one message naming
+    the holder, before it writes anything; once the holder is gone, even by SIGKILL, the
+    workdir is free (no stale lock)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WORKDIR, str(workdir)], cwd=ROOT,
+                              env=_env(), text=True, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        held = (workdir / "train.lock").read_text()
+        refused = _run("train.py", *TINY, f"--workdir={workdir}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: workdir '{workdir}' is in use by another training run (pid {holder.pid} on "
+        "host "), refused.stderr[-2000:]
+    assert "wait for it to end, or stop it (SIGTERM saves a checkpoint)" in refused.stderr
+    assert [p.name for p in workdir.iterdir()] == ["train.lock"]
+    assert (workdir / "train.lock").read_text() == held
+    freed = _run("train.py", *TINY, f"--workdir={workdir}")
+    assert freed.returncode == 0, freed.stderr[-2000:]
+    assert "final eval at step 6" in freed.stdout

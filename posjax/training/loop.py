@@ -8,7 +8,8 @@ Workdir layout: ``config.json`` (the run's config; once the run has a checkpoint
 another config is refused; before that the file is replaced),
 ``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>_<split>.json``
 (eval metrics of that checkpoint on ``data.test_split``, see ``eval_file``), ``metrics.jsonl``,
-``tensorboard/``, ``loss_curve.png``.
+``tensorboard/``, ``loss_curve.png``, ``train.lock`` (held while a run trains there: a
+second run on the same workdir is refused, see ``workdir_lock``).
 
 Several processes: the global batch is split in row blocks, one per process, in the order the
 mesh's batch sharding gives them (``process_row_blocks``); each process's input pipeline yields
@@ -46,6 +47,7 @@ from posjax.training import metrics as metrics_lib
 from posjax.training import optim
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
+from posjax.training import workdir_lock
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
@@ -568,15 +570,16 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             if stop.requested:   # before anything is written
                 return _stopped_in_set_up(run)
             run.workdir.mkdir(parents=True, exist_ok=True)
-            if run.is_main:
-                write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
-            checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
-                                                 config.checkpoint.keep,
-                                                 config.checkpoint.async_save, stop=stop)
-            try:
-                return _train(run, checkpointer, pipe.iterator, stop_after)
-            finally:
-                checkpointer.close()
+            with workdir_lock.exclusive(run.workdir, run.is_main):   # one run per workdir
+                if run.is_main:
+                    write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
+                checkpointer = ckpt_lib.Checkpointer(
+                    run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
+                    config.checkpoint.async_save, stop=stop)
+                try:
+                    return _train(run, checkpointer, pipe.iterator, stop_after)
+                finally:
+                    checkpointer.close()
 
 
 def _stopped_in_set_up(run: Run) -> TrainResult:
