@@ -36,8 +36,8 @@ def with_saved_config(argv: list[str]) -> list[str]:
         first(argv, known_only=True)
     except flags.Error:
         return argv             # the full parse reports it
-    if first.workdir is None:
-        return argv
+    if not (first.workdir or "").strip():
+        return argv             # main says what is missing
     return [argv[0], f"--config={SAVED_CONFIG}:{first.workdir}", *argv[1:]]
 
 
@@ -46,6 +46,8 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
+    if not flags.FLAGS.workdir.strip():
+        sys.exit("error: --workdir is empty (an unset shell variable?): give the run's directory")
     config = flags.FLAGS.config
 
     def evaluate() -> dict:

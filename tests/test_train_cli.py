@@ -60,6 +60,10 @@ def test_bad_input_exits_with_one_message(tmp_path):
     assert no_workdir.returncode == 1 and no_workdir.stderr.strip().splitlines() == [
         "error: --config needs a --workdir of its own (the default /tmp/posjax_digits is the "
         "default config's)"]
+    for script in ("train.py", "eval.py"):   # --workdir=$UNSET would pick the default's
+        empty = _run(script, "--workdir=")
+        assert empty.returncode == 1 and empty.stderr.strip().splitlines() == [
+            "error: --workdir is empty (an unset shell variable?): give the run's directory"]
     assert not workdir.exists()
 
 
