@@ -1,15 +1,21 @@
-"""init_from a train.py workdir: only the params are read (not the optimizer moments), and a
-ViT head that read pre_logits features is not reused by a model without them."""
+"""init_from a train.py workdir: only the params are read (not the optimizer moments), a
+ViT head that read pre_logits features is not reused by a model without them, and a damaged
+one is one error."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import re
+import sys
+import time
 
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 
 import test_training_synthetic as syn
 from posjax.training import loop
@@ -66,3 +72,28 @@ def test_same_features_keep_the_pretrained_head(tmp_path):
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     params = state_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
     np.testing.assert_array_equal(np.asarray(params["head"]["kernel"]), saved["head"]["kernel"])
+
+
+def test_a_damaged_init_from_is_one_error_and_nothing_else(tmp_path, monkeypatch, caplog):
+    """Data files cut short: one ValueError naming the folder; none of the other failed reads
+    is logged or printed after it (given as a relative path, as users do)."""
+    write_workdir(tmp_path / "source", syn.tiny_config())
+    for data in (tmp_path / "source" / "checkpoints" / "4" / "state").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:10])
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.chdir(tmp_path)
+    config = syn.tiny_config(**{"init_from": "source"})
+    with pytest.raises(ValueError) as refused:   # before anything is compiled or written
+        loop.prepare(config, tmp_path / "run", training=True)
+    message = str(refused.value)
+    assert re.fullmatch(
+        rf"init_from='source': {tmp_path}/source/checkpoints/4/state: cannot read this "
+        r"checkpoint \(ValueError: (OUT_OF_RANGE|DATA_LOSS): [^\n]*\); if it is damaged \(a "
+        r"full disk, an interrupted copy\), copy or convert it again", message), message
+    assert "tensorstore_spec" not in message and len(message) < 900, message
+    assert not (tmp_path / "run").exists()
+    time.sleep(1)   # reads still in flight finish
+    gc.collect()    # failed tasks nobody awaited are reported when collected
+    assert [r.getMessage()[:200] for r in caplog.records if r.name == "asyncio"] == []
+    assert [str(u.exc_value) for u in unraisable] == []

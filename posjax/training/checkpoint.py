@@ -9,14 +9,16 @@ multi-process via JAX's preemption sync point, so every process saves the same s
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import grain
 import jax
@@ -150,9 +152,9 @@ class Checkpointer:
                     f"processes, not the current {jax.process_count()}: resume with the same "
                     "process count")
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            with failures_reported_once(path):
+                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
-            silence_failed_reads(path)
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead" if others else "to start over")
             raise ValueError(
@@ -182,15 +184,19 @@ class Checkpointer:
         return bool(self.stop and self.stop.requested) or self.manager.reached_preemption(step)
 
 
-def _root_cause(error: BaseException) -> str:
-    """First line of the innermost exception in ``error``'s chain, at most 300 characters."""
+def _root_cause(error: BaseException, with_type: bool = False) -> str:
+    """First line of the innermost exception in ``error``'s chain (``with_type``: after its
+    type's name), without TensorStore's spec dump, at most 500 characters."""
     while True:
         inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
         if inner is None:
             break
         error = inner
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return line if len(line) <= 300 else line[:297] + "..."
+    line = (str(error).strip().splitlines() or [""])[0]
+    line = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*$", "", line) or type(error).__name__
+    if with_type and line != type(error).__name__:
+        line = f"{type(error).__name__}: {line}"
+    return line if len(line) <= 500 else line[:497] + "..."
 
 
 class _MentionsPath(logging.Filter):
@@ -198,7 +204,7 @@ class _MentionsPath(logging.Filter):
 
     def __init__(self, path: pathlib.Path):
         super().__init__()
-        self.path = str(path)
+        self.path = str(pathlib.Path(path).expanduser().resolve())   # as TensorStore names it
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.path not in record.getMessage()
@@ -216,25 +222,42 @@ def _is_callback_into_closed_loop(unraisable: Any) -> bool:
     return False
 
 
-def silence_failed_reads(path: pathlib.Path) -> None:
-    """After a read of ``path`` failed: the caller reports the failure once, so drop the echoes.
+def _drop_closed_loop_callbacks() -> None:
+    """Install (once) an unraisable hook that drops ``_is_callback_into_closed_loop``."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_callback_into_closed_loop(unraisable):
+            previous(unraisable)
+    hook.drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def failures_reported_once(path: pathlib.Path) -> Iterator[None]:
+    """Around a read of the checkpoint at ``path`` whose failure the caller reports: drop the
+    echoes of that failure.
 
     Orbax awaits all of a checkpoint's array reads at once and closes its event loop when the
     first fails. The other reads of the same damaged files then fail too, each logged by
     asyncio as "exception was never retrieved" (with a multi-kilobyte TensorStore spec) when
-    its task is collected, and reads still in flight call back into the closed loop ("Event
-    loop is closed", printed as an unraisable exception). A damaged checkpoint printed tens
-    of kilobytes of both after the one error that names it. Dropped from here on: asyncio
-    records that name ``path``, and callbacks into a closed event loop."""
-    logging.getLogger("asyncio").addFilter(_MentionsPath(path))
-    previous = sys.unraisablehook
-    if not getattr(previous, "drops_closed_loop_callbacks", False):
-        def hook(unraisable: Any) -> None:
-            if not _is_callback_into_closed_loop(unraisable):
-                previous(unraisable)
-        hook.drops_closed_loop_callbacks = True
-        sys.unraisablehook = hook
-    gc.collect()   # the failed tasks are reported now, while the filter is in place
+    its task is collected, which may be before or after the error reaches the caller; and
+    reads still in flight call back into the closed loop ("Event loop is closed", printed as
+    an unraisable exception). A damaged checkpoint printed tens of kilobytes of both around
+    the one error that names it. Dropped: asyncio records that name ``path`` (from the read
+    on; for good once it failed) and callbacks into a closed event loop."""
+    echoes = _MentionsPath(path)
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(echoes)
+    _drop_closed_loop_callbacks()
+    try:
+        yield
+    except Exception:
+        gc.collect()   # the failed tasks are reported now, while the filter is in place
+        raise
+    asyncio_log.removeFilter(echoes)
 
 
 T = TypeVar("T")
@@ -246,10 +269,11 @@ def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -
     Checkpointer would warn that it is missing; the item's handler does not). The handler is
     closed after; a missing or damaged item raises one ValueError naming the folder."""
     try:
-        return read(handler)
+        with failures_reported_once(directory):
+            return read(handler)
     except Exception as e:   # noqa: BLE001 -- Orbax raises assorted errors for such files
-        silence_failed_reads(directory)
-        raise ValueError(f"{directory}: cannot read this checkpoint ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())})") from e
+        raise ValueError(f"{directory}: cannot read this checkpoint "
+                         f"({_root_cause(e, with_type=True)}); if it is damaged (a full disk, "
+                         "an interrupted copy), copy or convert it again") from e
     finally:
         handler.close()
