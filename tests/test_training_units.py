@@ -227,6 +227,11 @@ def test_sgd_momentum_and_clipping():
     ("b2", 1.5, r"optimizer.b2=1.5 is not valid: must lie in \[0, 1\)"),
     ("eps", 0.0, "optimizer.eps=0.0 is not valid: must be > 0"),
     ("nesterov", True, "optimizer.nesterov=True is not valid: needs momentum > 0"),
+    ("grad_clip_norm", math.nan, "optimizer.grad_clip_norm=nan is not valid: must be a finite"),
+    ("weight_decay", math.nan, "optimizer.weight_decay=nan is not valid: must be a finite"),
+    ("learning_rate", math.inf, "optimizer.learning_rate=inf is not valid: must be a finite"),
+    ("end_learning_rate", math.nan, "optimizer.end_learning_rate=nan is not valid: must be a "),
+    ("eps", math.inf, "optimizer.eps=inf is not valid: must be a finite"),
 ])
 def test_bad_optimizer_config(field, value, match):
     name = "sgd" if field == "nesterov" else "adamw"
@@ -282,6 +287,8 @@ def test_logical_shardings_inside_the_logical_axis_rules():
     ({"init_from": "/nonexistent/export"}, "init_from='/nonexistent/export'"),
     ({"optimizer.beta1": 0.9}, "unknown config key.*'optimizer.beta1'"),
     ({"num_epochs": 3}, "unknown config key.*'num_epochs'"),
+    ({"peak_flops": math.inf}, r"peak_flops=inf is not valid: must be a finite number >= 0"),
+    ({"optimizer.grad_clip_norm": math.nan}, "optimizer.grad_clip_norm=nan is not valid"),
 ])
 def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, match):
     config = syn.tiny_config()

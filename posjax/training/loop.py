@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -185,7 +186,8 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
            f"{config.checkpoint.every_steps!r} is not valid: must be > 0")
     _check(config.checkpoint.keep >= 0, f"checkpoint.keep={config.checkpoint.keep!r} is not "
            "valid: must be >= 0 (0 keeps all)")
-    _check(config.peak_flops >= 0, f"peak_flops={config.peak_flops!r} is not valid: must be >= 0")
+    _check(0 <= config.peak_flops < math.inf, f"peak_flops={config.peak_flops!r} is not valid: "
+           "must be a finite number >= 0 (0 = default)")
     optim.validate(config.optimizer, config.num_steps)
 
 

@@ -13,6 +13,7 @@ biases and normalisation scales/offsets (leaves named ``bias`` or ``scale``).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
@@ -28,6 +29,9 @@ def validate(opt: Mapping[str, Any], num_steps: int) -> None:
     def bad(field: str, fix: str) -> ValueError:
         return ValueError(f"optimizer.{field}={opt.get(field)!r} is not valid: {fix}")
 
+    for field, value in opt.items():   # a NaN passes every comparison below as False
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(field, "must be a finite number")
     if opt["name"] not in OPTIMIZERS:
         raise bad("name", f"choose one of {', '.join(OPTIMIZERS)}")
     if opt["schedule"] not in SCHEDULES:
