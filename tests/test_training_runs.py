@@ -133,6 +133,20 @@ def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
     assert loop.eval_file(straight, 6, "test").read_text() == written
 
 
+def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, tmp_path):
+    """A run killed mid-save leaves <step>.orbax-checkpoint-tmp (a full-size partial copy): the
+    next training run there removes it; eval.py, which may run beside a saving run, does not."""
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    partial = workdir / "checkpoints" / "7.orbax-checkpoint-tmp"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "data").write_bytes(b"cut short")
+    loop.evaluate(config, workdir)
+    assert partial.exists()
+    loop.train(config, workdir)
+    assert not partial.exists() and loop.saved_steps(workdir)[-1] == 6
+
+
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
     """A checkpoint that does not fit the config (no config.json to compare it with: another
     optimizer state) raises from Orbax's restore; the checkpointer is closed all the same."""

@@ -107,8 +107,9 @@ class StopRequest:
 
 
 class Checkpointer:
-    """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``stop``: the run's
-    ``StopRequest`` (single process), read by ``reached_preemption``."""
+    """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
+    (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
+    ``reached_preemption``."""
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
@@ -116,9 +117,13 @@ class Checkpointer:
         # Save on the interval only (Orbax's default also saves the first step of every run);
         # preemption and the final step are saved with force=True.
         policy = ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every_steps), 1))
+        # A training run (create) removes the partial saves of runs that died mid-save
+        # (<step>.orbax-checkpoint-tmp): it holds the workdir lock, so no other run is saving.
+        # An evaluation must not: the run it evaluates may be saving.
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policy, max_to_keep=int(keep) or None,
-            enable_async_checkpointing=async_save, create=create)
+            enable_async_checkpointing=async_save, create=create,
+            cleanup_tmp_directories=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
         self.stop = stop
