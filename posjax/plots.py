@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from posjax.data.common import write_atomically
+
 
 def attention_maps(model: nn.Module, variables: Any, *args: Any, **kwargs: Any) -> list[np.ndarray]:
     """Every attention module's weights, in call order: a list of (B, h, Lq, Lk) arrays.
@@ -93,6 +95,17 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
     fig.tight_layout()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
+
+
+def save_figure(fig: Any, path: pathlib.Path) -> None:
+    """Matplotlib figure ``fig`` into ``path`` (format from its suffix, 100 dpi), atomically:
+    a crash mid-write leaves the previous file, not a truncated image. Closes ``fig``."""
+    import matplotlib.pyplot as plt
+
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100,
+                                                       format=path.suffix[1:] or "png"))
+    finally:
+        plt.close(fig)

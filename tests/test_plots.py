@@ -1,7 +1,11 @@
-"""Attention maps: collected in layer order, rows sum to one over real keys, PNG written."""
+"""Attention maps: collected in layer order, rows sum to one over real keys, PNG written;
+figures are written atomically."""
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from posjax import TextConfig, TextForMaskedLM, ViT, ViTConfig
 from posjax.plots import attention_labels, attention_maps, save_attention_png
@@ -50,3 +54,28 @@ def test_map_head_attention_is_labelled():
     assert [m.shape for m in maps] == [(1, 2, 4, 4)] * 2 + [(1, 2, 1, 4)]
     assert attention_labels(model, len(maps)) == ["layer 0", "layer 1", "MAP head"]
 
+
+
+def test_a_figure_write_cut_short_leaves_the_previous_file(tmp_path, monkeypatch):
+    """loss_curve.png is rewritten at the end of every run: a crash mid-write keeps the old
+    image (it left a truncated PNG) and no temporary file."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.figure
+    import matplotlib.pyplot as plt
+    from posjax.plots import save_figure
+
+    path = tmp_path / "loss_curve.png"
+    save_figure(plt.figure(), path)
+    before = path.read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    def cut_short(self, fname, **kwargs):
+        pathlib.Path(fname).write_bytes(before[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        save_figure(plt.figure(), path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["loss_curve.png"]

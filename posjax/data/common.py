@@ -153,18 +153,22 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
     return out
 
 
-def write_text_atomically(path: pathlib.Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file in the same folder and ``os.replace``: a
-    crash leaves the old file or the new one, never a partial one. The file gets the usual
-    permissions (0666 less the umask), readable by others on shared storage."""
+def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+    """``write(tmp)`` into a temporary file in ``path``'s folder, then ``os.replace`` it onto
+    ``path``: a crash leaves the old file or the new one, never a partial one. The file gets
+    the usual permissions (0666 less the umask), readable by others on shared storage."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomically(path: pathlib.Path, text: str) -> None:
+    """``text`` into ``path`` (UTF-8), atomically (``write_atomically``)."""
+    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -248,6 +248,8 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from posjax.plots import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*train), label="train loss", color="tab:blue")
     ax.set_xlabel("step")
@@ -263,6 +265,5 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
     ax.set_title(workdir.name)
     fig.tight_layout()
     out = workdir / "loss_curve.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
