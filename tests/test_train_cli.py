@@ -297,8 +297,8 @@ with workdir_lock.exclusive(pathlib.Path(sys.argv[1])):   # as a training run do
 
 def test_a_second_run_in_a_workdir_in_use_is_refused_until_the_first_ends(tmp_path):
     """While a run holds the workdir, another train.py there exits 1 with one message naming
-    the holder, before it writes anything; once the holder is gone, even by SIGKILL, the
-    workdir is free (no stale lock)."""
+    the holder, before it writes anything, also once the holder's record is deleted; once the
+    holder is gone, even by SIGKILL, the workdir is free (no stale lock)."""
     workdir = tmp_path / "run"
     workdir.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_WORKDIR, str(workdir)], cwd=ROOT,
@@ -307,6 +307,8 @@ def test_a_second_run_in_a_workdir_in_use_is_refused_until_the_first_ends(tmp_pa
         assert holder.stdout.readline() == "holding\n"
         held = (workdir / "train.lock").read_text()
         refused = _run("train.py", *TINY, f"--workdir={workdir}")
+        (workdir / "train.lock").unlink()   # the lock is on the workdir, not on this record
+        unrecorded = _run("train.py", *TINY, f"--workdir={workdir}")
     finally:
         holder.kill()
         holder.wait()
@@ -315,8 +317,12 @@ def test_a_second_run_in_a_workdir_in_use_is_refused_until_the_first_ends(tmp_pa
         f"error: workdir '{workdir}' is in use by another training run (pid {holder.pid} on "
         "host "), refused.stderr[-2000:]
     assert "wait for it to end, or stop it (SIGTERM saves a checkpoint)" in refused.stderr
-    assert [p.name for p in workdir.iterdir()] == ["train.lock"]
-    assert (workdir / "train.lock").read_text() == held
+    assert held.startswith(f'{{"pid": {holder.pid}, ')
+    assert unrecorded.returncode == 1 and unrecorded.stderr.strip().splitlines()[-1].startswith(
+        f"error: workdir '{workdir}' is in use by another training run (a process that has "
+        "not recorded itself yet)"), unrecorded.stderr[-2000:]
+    assert list(workdir.iterdir()) == []
     freed = _run("train.py", *TINY, f"--workdir={workdir}")
     assert freed.returncode == 0, freed.stderr[-2000:]
     assert "final eval at step 6" in freed.stdout
+    assert not (workdir / "train.lock").exists()   # the record goes with the run

@@ -8,8 +8,8 @@ Workdir layout: ``config.json`` (the run's config; once the run has a checkpoint
 another config is refused; before that the file is replaced),
 ``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>_<split>.json``
 (eval metrics of that checkpoint on ``data.test_split``, see ``eval_file``), ``metrics.jsonl``,
-``tensorboard/``, ``loss_curve.png``, ``train.lock`` (held while a run trains there: a
-second run on the same workdir is refused, see ``workdir_lock``).
+``tensorboard/``, ``loss_curve.png``, ``train.lock`` (who holds the workdir while a run
+trains there: a second run on the same workdir is refused, see ``workdir_lock``).
 
 Several processes: the global batch is split in row blocks, one per process, in the order the
 mesh's batch sharding gives them (``process_row_blocks``); each process's input pipeline yields
