@@ -314,7 +314,7 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
     pattern = (rf"checkpoint {workdir / 'checkpoints' / str(steps[-1])} cannot be restored "
                rf"\(.*(OUT_OF_RANGE|DATA_LOSS).*\)\. If it is damaged \(a full disk, an "
                rf"interrupted copy\), move it out of {workdir / 'checkpoints'} to use step "
-               rf"{steps[-2]} instead")
+               rf"{steps[-2]} instead \(eval\.py: or --step {steps[-2]}\)")
     with pytest.raises(ValueError, match=pattern):
         loop.train(config, workdir)
     with pytest.raises(ValueError, match=pattern):

@@ -351,6 +351,56 @@ def test_a_run_without_checkpoints_does_not_block_a_corrected_rerun(tmp_path):
         assert loop.config_to_save(tmp_path, config) == loop.config_dict(config)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda w: (w / "metrics.jsonl").mkdir(), "metrics.jsonl is a directory, not a file: move it "
+                                             "out of the workdir"),
+    (lambda w: (w / "loss_curve.png").mkdir(), "loss_curve.png is a directory, not a file"),
+    (lambda w: (w / loop.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
+    (lambda w: (w / "tensorboard").write_text(""), "tensorboard is a file, not a directory"),
+    (lambda w: (w / "checkpoints").symlink_to(w / "volume"),
+     r"checkpoints is a symbolic link to '.*/volume', which does not exist \(storage not "
+     r"mounted\?\): mount it, or remove the link"),
+])
+def test_workdir_entries_of_the_wrong_kind_are_refused_before_anything_runs(tmp_path, make,
+                                                                           message):
+    """Each was a traceback, some only after all the steps (loss_curve.png at the very end)."""
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    make(workdir)
+    with pytest.raises(ValueError, match=rf"^workdir '{workdir}': {message}"):
+        loop.train(syn.tiny_config(), workdir)
+
+
+def test_eval_refuses_checkpoints_it_could_not_write_its_metrics_beside(tmp_path):
+    workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
+    (workdir / "predictions").write_text("")
+    with pytest.raises(ValueError, match=f"^workdir '{workdir}': predictions is a file"):
+        loop.prepare(syn.tiny_config(), workdir, training=False)
+
+
+def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
+    """Without checkpoints a run starts from step 0 and rewrites config.json and metrics.jsonl:
+    refused when config.json is another program's, or the metrics show a run that must have
+    saved checkpoints (lost, or on storage that is not mounted); a run that stopped before or
+    just after its first save (async) starts over."""
+    config = syn.tiny_config()   # checkpoint.every_steps = 2
+    (tmp_path / loop.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
+    with pytest.raises(ValueError, match=r"its config.json is not a posjax run's \(keys "
+                                         r"\['model_type', 'vocab_size'\]\); refusing"):
+        loop.check_workdir(tmp_path, config)
+    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
+                               for s in range(1, 5)))
+    loop.check_workdir(tmp_path, config)   # step 4 = 2 x every_steps: the save may be pending
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 5, "split": "train", "loss": 1.0}) + "\n")
+    with pytest.raises(ValueError, match=r"has metrics up to step 5 but no checkpoint in .*"
+                                         r"checkpoints \(saved every 2 steps\): if the "
+                                         r"checkpoints are elsewhere"):
+        loop.check_workdir(tmp_path, config)
+
+
 def test_damaged_config_json_is_named_with_the_fix(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
     (workdir / loop.CONFIG_FILE).write_text("")

@@ -161,7 +161,8 @@ class Checkpointer:
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
             others = [s for s in self.manager.all_steps() if s != step]
-            fallback = (f"to use step {max(others)} instead" if others else "to start over")
+            fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
+                        if others else "to start over")
             raise ValueError(
                 f"checkpoint {path} cannot be restored ({_root_cause(e)}). If it is damaged "
                 f"(a full disk, an interrupted copy), move it out of {self.directory} "

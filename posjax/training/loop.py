@@ -284,7 +284,7 @@ def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
         return None
     try:
         saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:   # OSError: a directory
         saved = e
     if not isinstance(saved, dict):
         why = saved if isinstance(saved, Exception) else "not a JSON object"
@@ -329,12 +329,15 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
     except OSError as e:
         raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
                          f"{e.strerror}); choose a directory you can write to") from None
+    check_entries(workdir, TRAIN_ENTRIES)
     if not saved_steps(workdir):
+        check_fresh_start(workdir, config)
         return
     saved = read_saved_config(workdir)
     if saved is None:
-        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {CONFIG_FILE}: "
-                         "it is not a posjax run directory; use a new --workdir")
+        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {CONFIG_FILE} (the "
+                         "run's config): restore it from a copy to resume, or use a new "
+                         "--workdir")
     diffs = config_differences(with_model_defaults(saved),
                                with_model_defaults(config_dict(config)))
     if diffs:
@@ -342,6 +345,65 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "
             "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
             + "\nUse a new --workdir (or delete this one to start over).")
+
+
+# What a run writes in its workdir (name: whether it is a directory), and an evaluation.
+TRAIN_ENTRIES = {CONFIG_FILE: False, "metrics.jsonl": False, "loss_curve.png": False,
+                 workdir_lock.LOCK_FILE: False, "checkpoints": True, "tensorboard": True}
+EVAL_ENTRIES = {"checkpoints": True, "predictions": True}
+
+
+def check_entries(workdir: pathlib.Path, entries: dict[str, bool]) -> None:
+    """Each of ``entries`` that exists in ``workdir`` is of its kind and writable, so that a
+    run does not fail after its steps (or an evaluation after evaluating) when it writes it."""
+    for name, is_dir in entries.items():
+        path = workdir / name
+        if not os.path.lexists(path):
+            continue
+        if not path.exists():
+            raise ValueError(f"workdir {str(workdir)!r}: {name} is a symbolic link to "
+                             f"{os.readlink(path)!r}, which does not exist (storage not "
+                             "mounted?): mount it, or remove the link")
+        if path.is_dir() != is_dir:
+            kinds = ("a directory", "a file") if path.is_dir() else ("a file", "a directory")
+            raise ValueError(f"workdir {str(workdir)!r}: {name} is {kinds[0]}, not {kinds[1]}: "
+                             "move it out of the workdir")
+        try:
+            if is_dir:
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            else:
+                open(path, "a").close()   # writes nothing
+        except OSError as e:
+            raise ValueError(f"workdir {str(workdir)!r}: {name} is not writable ({e.strerror}): "
+                             "make it writable, or use another --workdir") from None
+
+
+def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+    """A workdir without checkpoints, about to be started from step 0, holds nothing a fresh
+    start would wrongly replace: no other program's ``config.json``, and no metrics of a run
+    that must have saved checkpoints (they were lost, or are on storage that is not mounted:
+    starting over would erase its metrics.jsonl)."""
+    try:
+        saved = read_saved_config(workdir)
+    except ValueError:   # damaged (a run cut short while writing it): replaced
+        saved = None
+    ours = set(config_dict(config))
+    if saved is not None and not ("task" in saved and set(saved) <= ours):
+        raise ValueError(f"workdir {str(workdir)!r}: its {CONFIG_FILE} is not a posjax run's "
+                         f"(keys {sorted(saved)[:8]}); refusing to replace it: use another "
+                         "--workdir")
+    # The first save is at every_steps; by the log after step 2 * every_steps it is on disk
+    # (a save waits for the one before), so later records mean a run whose saves are gone.
+    every = (saved or {}).get("checkpoint", {}).get("every_steps", config.checkpoint.every_steps)
+    records = metrics_lib.read_metrics(workdir / "metrics.jsonl")
+    last = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    if last > 2 * every:
+        raise ValueError(
+            f"workdir {str(workdir)!r} has metrics up to step {last} but no checkpoint in "
+            f"{workdir / 'checkpoints'} (saved every {every} steps): if the checkpoints are "
+            "elsewhere (storage not mounted?), bring them back to resume; to start over "
+            "here, delete metrics.jsonl; or use a new --workdir")
 
 
 def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
@@ -427,6 +489,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     elif not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first")
     else:
+        check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
         check_eval_config(workdir, config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
