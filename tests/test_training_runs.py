@@ -147,6 +147,30 @@ def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, t
     assert not partial.exists() and loop.saved_steps(workdir)[-1] == 6
 
 
+def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, tmp_path,
+                                                                          monkeypatch):
+    """A run training in the workdir removes old steps (checkpoint.keep) while eval.py starts:
+    without --step the new latest is evaluated; with --step, one error says what happened
+    (it said the checkpoint might be damaged)."""
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    original = ckpt_lib.Checkpointer.restore
+
+    def rotated_out_first(self, step, *args, **kwargs):
+        if (self.directory / "6").exists():
+            shutil.rmtree(self.directory / "6")   # as the run's keep policy does
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "restore", rotated_out_first)
+    assert loop.evaluate(config, workdir)["step"] == 4
+    shutil.copytree(straight / "checkpoints" / "6", workdir / "checkpoints" / "6")
+    with pytest.raises(ValueError, match=rf"^step=6: {workdir / 'checkpoints' / '6'} was "
+                                         r"removed while it was read \(a run training there "
+                                         r"keeps only the latest checkpoint.keep steps\); "
+                                         r"evaluate one of \[2, 4\] with --step"):
+        loop.evaluate(config, workdir, step=6)
+
+
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
     """A checkpoint that does not fit the config (no config.json to compare it with: another
     optimizer state) raises from Orbax's restore; the checkpointer is closed all the same."""

@@ -574,6 +574,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
     run = prepare(config, workdir, training=False)
     steps = saved_steps(run.workdir)
+    requested = step
     if step is None and steps:
         step = steps[-1]
     if not steps:
@@ -583,12 +584,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
                          f"(available: {steps})")
     pipe = run.make_eval_pipeline()     # data errors before the restore
-    checkpointer = ckpt_lib.Checkpointer(run.workdir, config.checkpoint.every_steps,
-                                         config.checkpoint.keep, create=False)
-    try:
-        state = checkpointer.restore(step, run.abstract)
-    finally:
-        checkpointer.close()
+    state, step = _restore_for_eval(run, step, latest=requested is None)
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
         result = run_evaluation(run, state.params, eval_step, pipe,
@@ -596,6 +592,33 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
     return {"step": step, "split": evaluated_split(config), **result}
+
+
+def _restore_for_eval(run: Run, step: int, latest: bool) -> tuple[state_lib.TrainState, int]:
+    """The state at ``step``. A run training in the workdir may rotate that step out
+    (checkpoint.keep) while eval.py starts: then the new ``latest`` step is read, or, for a
+    step asked for by number, one error says what happened."""
+    checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps,
+                                         run.config.checkpoint.keep, create=False)
+    try:
+        for _ in range(3):
+            try:
+                return checkpointer.restore(step, run.abstract), step
+            except ValueError:
+                if (checkpointer.directory / str(step)).exists():
+                    raise   # damaged, not removed
+            steps = saved_steps(run.workdir)
+            if not (latest and steps):
+                raise ValueError(
+                    f"step={step}: {checkpointer.directory / str(step)} was removed while it was "
+                    "read (a run training there keeps only the latest checkpoint.keep steps); "
+                    f"evaluate one of {steps} with --step, or the latest without it")
+            step = steps[-1]
+            checkpointer.manager.reload()
+        raise ValueError(f"{checkpointer.directory}: the latest step kept changing while it "
+                         "was read; try again")
+    finally:
+        checkpointer.close()
 
 
 # ----------------------------------------------------------------------------- training
