@@ -133,6 +133,21 @@ def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
     assert loop.eval_file(straight, 6, "test").read_text() == written
 
 
+def test_a_final_eval_cut_short_by_a_crash_is_logged_once_by_the_rerun(runs, tmp_path):
+    """Killed between logging the final eval and writing its JSON, or the other way round: the
+    rerun leaves exactly one eval record of the last step (it logged a second one)."""
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    loop.eval_file(workdir, 6, "test").unlink()          # record logged, JSON not written
+    loop.train(config, workdir)
+    assert [r["step"] for r in _records(workdir) if r["split"] == "eval"] == [6]
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text(            # JSON written, record not logged
+        "".join(ln + "\n" for ln in lines if json.loads(ln)["split"] != "eval"))
+    loop.train(config, workdir)
+    assert [r["step"] for r in _records(workdir) if r["split"] == "eval"] == [6]
+
+
 def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, tmp_path):
     """A run killed mid-save leaves <step>.orbax-checkpoint-tmp (a full-size partial copy): the
     next training run there removes it; eval.py, which may run beside a saving run, does not."""

@@ -768,7 +768,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
         result = read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
             result = run_evaluation(run, state.params, eval_step)
-            writer.write(step, "eval", result)
+        writer.write_once(step, "eval", result)
     writer.close()
     path = write_eval(run, step, result)
     if run.is_main:

@@ -159,6 +159,13 @@ class MetricWriter:
             self._tb.add_scalar(f"{split}/{name}", value, step)
         self._tb.flush()
 
+    def write_once(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
+        """``write`` unless metrics.jsonl already holds a ``split`` record of ``step`` (the
+        final eval of a run killed between logging it and writing its JSON, then rerun)."""
+        if self.enabled and not any(r.get("step") == step and r.get("split") == split
+                                    for r in read_metrics(self.path)):
+            self.write(step, split, scalars)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
