@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,3 +327,42 @@ def test_a_second_run_in_a_workdir_in_use_is_refused_until_the_first_ends(tmp_pa
     assert freed.returncode == 0, freed.stderr[-2000:]
     assert "final eval at step 6" in freed.stdout
     assert not (workdir / "train.lock").exists()   # the record goes with the run
+
+
+def test_a_save_that_fails_for_lack_of_space_is_one_error_naming_the_step(tmp_path):
+    """Files capped at 8 KiB (as a full disk fails writes): step 2's background save fails;
+    the run stops at its next save with one error naming step 2, the cause and the way out,
+    with Orbax's errors on one line each (four tracebacks, 770 lines, before); without the cap
+    the same command then trains. Resumed from step 2 under the cap, it names step 4 and says
+    step 2 is intact."""
+    import resource
+
+    def cap_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    workdir = tmp_path / "run"
+    full = subprocess.run([sys.executable, "train.py", *TINY, f"--workdir={workdir}"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=180,
+                          preexec_fn=cap_files)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the checkpoint of step 2 could not be written in "
+                           f"{workdir / 'checkpoints'} ("), last
+    assert "File too large" in last and last.endswith(
+        "is the disk full, or the folder no longer writable? No checkpoint was complete yet; "
+        "fix the storage, then start again"), last
+    assert len(full.stderr.splitlines()) < 15, full.stderr[-3000:]
+    again = _run("train.py", *TINY, f"--workdir={workdir}")
+    assert again.returncode == 0 and "final eval at step 6" in again.stdout, again.stderr[-2000:]
+    for later in ("4", "6", "eval_6_test.json"):   # as if stopped after step 2's save
+        shutil.rmtree(workdir / "checkpoints" / later, ignore_errors=True)
+    (workdir / "checkpoints" / "eval_6_test.json").unlink()
+    resumed = subprocess.run([sys.executable, "train.py", *TINY, f"--workdir={workdir}"],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180,
+                             preexec_fn=cap_files)
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert resumed.returncode == 1 and last.startswith(
+        "error: the checkpoint of step 4 could not be written in "), resumed.stderr[-3000:]
+    assert last.endswith("The checkpoints saved before are intact (the latest: step 2); fix the "
+                         "storage, then start this run again to resume from there"), last
+    assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]

@@ -18,6 +18,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
 import grain
@@ -106,10 +107,27 @@ class StopRequest:
         logging.warning("%s: %s%s", signal.Signals(signum).name, what, again)
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a folder no longer writable)."""
+
+
+class _OrbaxErrorsOnOneLine(logging.Filter):
+    """Orbax's error records without their tracebacks, one line each: a failed save logged
+    four tracebacks (300+ lines) from its background threads; the run then raises one
+    ``SaveFailed`` naming the step, the cause and the way out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "/orbax/" in record.pathname:
+            record.msg, record.args = _short(record.getMessage()), ()
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
 class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
-    ``reached_preemption``."""
+    ``reached_preemption``. A save that fails (now, or in the background: seen at the next
+    save or wait) raises ``SaveFailed``."""
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
@@ -127,6 +145,11 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
         self.stop = stop
+        self._pending: int | None = None   # the step of the last save begun
+        self._failed = False
+        self._quiet = _OrbaxErrorsOnOneLine()
+        logging.getLogger("absl").addFilter(self._quiet)
+        _drop_closed_loop_callbacks()   # a failed write leaves callbacks into a closed loop
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -137,9 +160,37 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data_iter=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+        try:
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data_iter=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+        except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
+            raise self._save_failed(step, e) from e
+        if saved:
+            self._pending = step
+        return saved
+
+    def _save_failed(self, step: int | None, error: Exception) -> SaveFailed:
+        """The error for a save that failed: the earliest of the pending and the current step
+        not on disk, the cause, and what is still there. Its failed writes are not reported
+        again (asyncio logs each when its task is collected, even at exit, and Python warns
+        of those it never started)."""
+        self._failed = True
+        logging.getLogger("asyncio").addFilter(_MentionsPath(self.directory))
+        warnings.filterwarnings("ignore", r"coroutine 'async_serialize", RuntimeWarning)
+        try:
+            on_disk = set(ocp.utils.checkpoint_steps(self.directory))
+        except OSError:
+            on_disk = set()
+        missing = [s for s in (self._pending, step) if s is not None and s not in on_disk]
+        failed = min(missing) if missing else step
+        latest = max(on_disk, default=None)
+        kept = (f"the checkpoints saved before are intact (the latest: step {latest}); fix "
+                "the storage, then start this run again to resume from there" if latest is not
+                None else "no checkpoint was complete yet; fix the storage, then start again")
+        return SaveFailed(f"the checkpoint of step {failed} could not be written in "
+                          f"{self.directory} ({_root_cause(error)}): is the disk full, or the "
+                          f"folder no longer writable? {kept[0].upper()}{kept[1:]}")
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
@@ -170,11 +221,25 @@ class Checkpointer:
         return restored["state"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:   # noqa: BLE001
+            raise self._save_failed(self._pending, e) from e
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save and close; after a ``SaveFailed``, only close (quietly)."""
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:   # noqa: BLE001 -- the failure was raised once already
+                if not self._failed:
+                    raise
+            finally:
+                if not self._failed:   # else its threads may still log
+                    logging.getLogger("absl").removeFilter(self._quiet)
 
     # -- preemption ---------------------------------------------------------------------------
 
@@ -198,10 +263,15 @@ def _root_cause(error: BaseException, with_type: bool = False) -> str:
         if inner is None:
             break
         error = inner
-    line = (str(error).strip().splitlines() or [""])[0]
-    line = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*$", "", line) or type(error).__name__
-    if with_type and line != type(error).__name__:
-        line = f"{type(error).__name__}: {line}"
+    line = _short(str(error)) or type(error).__name__
+    return f"{type(error).__name__}: {line}" if with_type and line != type(error).__name__ \
+        else line
+
+
+def _short(text: str) -> str:
+    """The first line of ``text`` without TensorStore's spec dump, at most 500 characters."""
+    line = (text.strip().splitlines() or [""])[0]
+    line = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*$", "", line)
     return line if len(line) <= 500 else line[:497] + "..."
 
 

@@ -123,8 +123,9 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
 
 
 def run_command(action: Callable[[], T]) -> T:
-    """``action()`` for train.py / eval.py: a ValueError (bad input) or ``Diverged`` ends the
-    program with 'error: …' and status 1, an abort by Ctrl-C with one line and status 130.
+    """``action()`` for train.py / eval.py: a ValueError (bad input), ``Diverged`` or
+    ``checkpoint.SaveFailed`` ends the program with 'error: …' and status 1, an abort by
+    Ctrl-C with one line and status 130.
     With several processes every failure ends this process at once (``os._exit`` after
     printing): a normal exit would wait at JAX's shutdown barrier for the other processes,
     which sit in a collective waiting for this one (minutes, then an abort). Ending at once
@@ -136,7 +137,7 @@ def run_command(action: Callable[[], T]) -> T:
         if isinstance(e, KeyboardInterrupt) and not several:   # a second Ctrl-C (StopRequest)
             print("aborted by Ctrl-C", file=sys.stderr)
             sys.exit(130)
-        if isinstance(e, (ValueError, Diverged)):
+        if isinstance(e, (ValueError, Diverged, ckpt_lib.SaveFailed)):
             message = f"error: {e}"
         elif not several:
             raise
