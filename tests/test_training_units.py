@@ -648,3 +648,54 @@ def test_stop_request_is_set_by_sigterm_or_ctrl_c_and_restores_the_handlers():
             assert signal.getsignal(signal.SIGTERM) != before[1]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+LOCK_RECORD_ONLY = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)   # as a run on another machine holds it over NFS
+os.write(fd, b'{"pid": 7, "host": "node-b", "since": "2026-11-30 09:00:00 UTC"}')
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_workdir_lock_also_holds_through_its_record_file(tmp_path):
+    """NFS keeps a directory's flock on one machine but carries a regular file's: a run whose
+    lock only reaches the record file (another node) keeps the workdir too."""
+    import subprocess
+    from posjax.training import workdir_lock
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_RECORD_ONLY,
+                               str(tmp_path / workdir_lock.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(ValueError, match=r"is in use by another training run \(pid 7 on "
+                                             r"host node-b, since 2026-11-30 09:00:00 UTC\)"):
+            with workdir_lock.exclusive(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with workdir_lock.exclusive(tmp_path):   # free once the holder is gone
+        assert json.loads((tmp_path / workdir_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / workdir_lock.LOCK_FILE).exists()
+
+
+def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
+    """A run that ends in the workdir between this run's checks and its lock (having saved
+    with another config) is seen: refused, not resumed with this config."""
+    from posjax.training import workdir_lock
+    config = syn.tiny_config()
+    other = syn.tiny_config(**{"optimizer.learning_rate": 0.05})
+    original = workdir_lock.exclusive
+
+    def another_run_ends_first(workdir, enabled=True):
+        _checkpointed_workdir(workdir, other)
+        return original(workdir, enabled)
+
+    monkeypatch.setattr(workdir_lock, "exclusive", another_run_ends_first)
+    with pytest.raises(ValueError, match=r"holds a run with another config(.|\n)*"
+                                         r"optimizer.learning_rate: 0.05 -> "):
+        loop.train(config, tmp_path / "w")
+    assert json.loads((tmp_path / "w" / loop.CONFIG_FILE).read_text()) == loop.config_dict(other)

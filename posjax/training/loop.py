@@ -661,6 +661,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             run.workdir.mkdir(parents=True, exist_ok=True)
             with workdir_lock.exclusive(run.workdir, run.is_main):   # one run per workdir
                 if run.is_main:
+                    check_workdir(run.workdir, config)   # again: another run may have ended
                     write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
                 checkpointer = ckpt_lib.Checkpointer(
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
