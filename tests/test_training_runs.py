@@ -185,6 +185,19 @@ def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, 
                                          r"evaluate one of \[2, 4\] with --step"):
         loop.evaluate(config, workdir, step=6)
 
+    # Caught mid-removal (Orbax deletes in place) once the run saved step 8 with keep = 1.
+    def being_removed_first(self, step, *args, **kwargs):
+        if step == 6 and not (self.directory / "8").exists():
+            shutil.copytree(self.directory / "6", self.directory / "8")
+            shutil.rmtree(self.directory / "6" / "state")
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "restore", being_removed_first)
+    shutil.copytree(straight / "checkpoints" / "6", workdir / "checkpoints" / "6")
+    one_kept = config.copy_and_resolve_references()
+    one_kept.checkpoint.keep = 1
+    assert loop.evaluate(one_kept, workdir)["step"] == 8
+
 
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
     """A checkpoint that does not fit the config (no config.json to compare it with: another

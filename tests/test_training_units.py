@@ -699,3 +699,21 @@ def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
                                          r"optimizer.learning_rate: 0.05 -> "):
         loop.train(config, tmp_path / "w")
     assert json.loads((tmp_path / "w" / loop.CONFIG_FILE).read_text()) == loop.config_dict(other)
+
+
+def test_a_save_that_fails_for_another_reason_than_storage_is_no_save_failed(tmp_path):
+    """SaveFailed says 'is the disk full?': a bug (here a state Orbax cannot save) keeps its own
+    error and traceback instead."""
+    import grain
+    checkpointer = ckpt_lib.Checkpointer(tmp_path, every_steps=1, keep=0, async_save=False)
+    iterator = iter(grain.MapDataset.range(4).to_iter_dataset())
+    try:
+        with pytest.raises(Exception) as raised:
+            checkpointer.save(1, {"weights": np.ones(2), "note": object()}, iterator)
+        assert not isinstance(raised.value, ckpt_lib.SaveFailed), raised.value
+        assert not ckpt_lib._is_storage_error(raised.value)
+    finally:
+        checkpointer.close()
+    assert ckpt_lib._is_storage_error(OSError(28, "No space left on device"))
+    assert ckpt_lib._is_storage_error(ValueError(
+        "OUT_OF_RANGE: Error writing local file \"x\": File too large [os_error_code='27']"))

@@ -111,6 +111,21 @@ class SaveFailed(RuntimeError):
     """A checkpoint could not be written (a full disk, a folder no longer writable)."""
 
 
+# How TensorStore words a failed read or write of a file (it raises plain ValueErrors).
+_STORAGE_STATUS = re.compile(r"os_error_code=|^(PERMISSION_DENIED|RESOURCE_EXHAUSTED|"
+                             r"OUT_OF_RANGE|DATA_LOSS|UNAVAILABLE): ")
+
+
+def _is_storage_error(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one in its chain) is the storage failing: an OSError, or
+    TensorStore's word for one. Anything else (a bug, a peer process gone) is no SaveFailed."""
+    while error is not None:
+        if isinstance(error, OSError) or _STORAGE_STATUS.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class _OrbaxErrorsOnOneLine(logging.Filter):
     """Orbax's error records without their tracebacks, one line each: a failed save logged
     four tracebacks (300+ lines) from its background threads; the run then raises one
@@ -165,7 +180,9 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state),
                 data_iter=grain.checkpoint.CheckpointSave(data_iter)), force=force)
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
-            raise self._save_failed(step, e) from e
+            if _is_storage_error(e):
+                raise self._save_failed(step, e) from e
+            raise
         if saved:
             self._pending = step
         return saved
@@ -224,7 +241,9 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:   # noqa: BLE001
-            raise self._save_failed(self._pending, e) from e
+            if _is_storage_error(e):
+                raise self._save_failed(self._pending, e) from e
+            raise
 
     def close(self) -> None:
         """Wait for the last save and close; after a ``SaveFailed``, only close (quietly)."""

@@ -601,14 +601,18 @@ def _restore_for_eval(run: Run, step: int, latest: bool) -> tuple[state_lib.Trai
     step asked for by number, one error says what happened."""
     checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps,
                                          run.config.checkpoint.keep, create=False)
+    keep = run.config.checkpoint.keep
     try:
         for _ in range(3):
             try:
                 return checkpointer.restore(step, run.abstract), step
             except ValueError:
-                if (checkpointer.directory / str(step)).exists():
-                    raise   # damaged, not removed
-            steps = saved_steps(run.workdir)
+                steps = saved_steps(run.workdir)
+                removed = (not (checkpointer.directory / str(step)).exists()
+                           or 0 < keep <= sum(s > step for s in steps))   # being removed
+                if not removed or jax.process_count() > 1:   # processes would differ
+                    raise
+                steps = [s for s in steps if s != step]
             if not (latest and steps):
                 raise ValueError(
                     f"step={step}: {checkpointer.directory / str(step)} was removed while it was "
