@@ -47,7 +47,7 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
     if not flags.FLAGS.workdir.strip():
-        sys.exit("error: --workdir is empty (an unset shell variable?): give the run's directory")
+        sys.exit(loop.EMPTY_WORKDIR)
     config = flags.FLAGS.config
 
     def evaluate() -> dict:

@@ -27,7 +27,7 @@ def main(argv):
     config = flags.FLAGS.config
     workdir = flags.FLAGS.workdir
     if workdir is not None and not workdir.strip():
-        sys.exit("error: --workdir is empty (an unset shell variable?): give the run's directory")
+        sys.exit(loop.EMPTY_WORKDIR)
     if workdir is None and flags.FLAGS["config"].present:
         sys.exit("error: --config needs a --workdir of its own (the default "
                  f"{DEFAULT_WORKDIR} is the default config's)")

@@ -55,7 +55,6 @@ def test_map_head_attention_is_labelled():
     assert attention_labels(model, len(maps)) == ["layer 0", "layer 1", "MAP head"]
 
 
-
 def test_a_figure_write_cut_short_leaves_the_previous_file(tmp_path, monkeypatch):
     """loss_curve.png is rewritten at the end of every run: a crash mid-write keeps the old
     image (it left a truncated PNG) and no temporary file."""

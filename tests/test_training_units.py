@@ -396,8 +396,15 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 5, "split": "train", "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match=r"has metrics up to step 5 but no checkpoint in .*"
-                                         r"checkpoints \(saved every 2 steps\): if the "
+                                         r"checkpoints \(checkpoint.every_steps=2\): if the "
                                          r"checkpoints are elsewhere"):
+        loop.check_workdir(tmp_path, config)
+    # The interval the metrics were written with is the saved run's, not this command's.
+    saved_every_step = syn.tiny_config(**{"checkpoint.every_steps": 1})
+    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(saved_every_step)))
+    metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
+                               for s in range(1, 4)))
+    with pytest.raises(ValueError, match=r"up to step 3 .*\(checkpoint.every_steps=1\)"):
         loop.check_workdir(tmp_path, config)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -44,7 +45,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
-        self.in_steps = False
+        self._in_steps = False
         self._lock = threading.Lock()
         self._previous: dict[int, Any] = {}
         self._previous_fd: int | None = None
@@ -76,7 +77,7 @@ class StopRequest:
         """From now on a stop saves after the current step; returns whether a stop was
         requested before (the run then stops with nothing new to save)."""
         with self._lock:
-            self.in_steps = True
+            self._in_steps = True
             return self.requested
 
     def _watch(self, read_fd: int) -> None:
@@ -98,7 +99,7 @@ class StopRequest:
             if self.requested:
                 return
             self.requested = True
-            in_steps = self.in_steps
+            in_steps = self._in_steps
         what = ("will save a checkpoint after the current step and exit" if in_steps
                 else "stopping before the first step; nothing new to save")
         again = ("" if signum != signal.SIGINT else
@@ -150,13 +151,11 @@ class Checkpointer:
         # Save on the interval only (Orbax's default also saves the first step of every run);
         # preemption and the final step are saved with force=True.
         policy = ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every_steps), 1))
-        # A training run (create) removes the partial saves of runs that died mid-save
-        # (<step>.orbax-checkpoint-tmp): it holds the workdir lock, so no other run is saving.
-        # An evaluation must not: the run it evaluates may be saving.
+        if create and jax.process_index() == 0:
+            self._remove_partial_saves()
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policy, max_to_keep=int(keep) or None,
-            enable_async_checkpointing=async_save, create=create,
-            cleanup_tmp_directories=create)
+            enable_async_checkpointing=async_save, create=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
         self.stop = stop
@@ -165,6 +164,18 @@ class Checkpointer:
         self._quiet = _OrbaxErrorsOnOneLine()
         logging.getLogger("absl").addFilter(self._quiet)
         _drop_closed_loop_callbacks()   # a failed write leaves callbacks into a closed loop
+
+    def _remove_partial_saves(self) -> None:
+        """Remove the partial saves of runs that died mid-save (<step>.orbax-checkpoint-tmp,
+        full size), now, before this run saves. Only a training run (``create``) may: it holds
+        the workdir lock, so no other run is saving; an evaluation must not, since the run it
+        evaluates may be saving. (Orbax's own clean-up runs in a thread nothing waits for.)"""
+        for partial in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+            try:
+                shutil.rmtree(partial)
+            except OSError as e:
+                logging.warning("cannot remove the partial save %s (%s); remove it by hand",
+                                partial, e.strerror)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -202,12 +213,12 @@ class Checkpointer:
         missing = [s for s in (self._pending, step) if s is not None and s not in on_disk]
         failed = min(missing) if missing else step
         latest = max(on_disk, default=None)
-        kept = (f"the checkpoints saved before are intact (the latest: step {latest}); fix "
+        kept = (f"The checkpoints saved before are intact (the latest: step {latest}); fix "
                 "the storage, then start this run again to resume from there" if latest is not
-                None else "no checkpoint was complete yet; fix the storage, then start again")
+                None else "No checkpoint was complete yet; fix the storage, then start again")
         return SaveFailed(f"the checkpoint of step {failed} could not be written in "
                           f"{self.directory} ({_root_cause(error)}): is the disk full, or the "
-                          f"folder no longer writable? {kept[0].upper()}{kept[1:]}")
+                          f"folder no longer writable? {kept}")
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
@@ -230,7 +241,7 @@ class Checkpointer:
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
-                        if others else "to start over")
+                        if others else "and delete metrics.jsonl to start over")
             raise ValueError(
                 f"checkpoint {path} cannot be restored ({_root_cause(e)}). If it is damaged "
                 f"(a full disk, an interrupted copy), move it out of {self.directory} "
@@ -274,17 +285,16 @@ class Checkpointer:
         return bool(self.stop and self.stop.requested) or self.manager.reached_preemption(step)
 
 
-def _root_cause(error: BaseException, with_type: bool = False) -> str:
-    """First line of the innermost exception in ``error``'s chain (``with_type``: after its
-    type's name), without TensorStore's spec dump, at most 500 characters."""
+def _root_cause(error: BaseException) -> str:
+    """The innermost exception in ``error``'s chain: its type and the first line of its
+    message (``_short``)."""
     while True:
         inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
         if inner is None:
             break
         error = inner
-    line = _short(str(error)) or type(error).__name__
-    return f"{type(error).__name__}: {line}" if with_type and line != type(error).__name__ \
-        else line
+    line = _short(str(error))
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def _short(text: str) -> str:
@@ -295,14 +305,14 @@ def _short(text: str) -> str:
 
 
 class _MentionsPath(logging.Filter):
-    """Drops log records whose text names ``path``."""
+    """Drops log records whose text names a file under ``path``."""
 
     def __init__(self, path: pathlib.Path):
         super().__init__()
         self.path = str(pathlib.Path(path).expanduser().resolve())   # as TensorStore names it
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.path not in record.getMessage()
+        return self.path + os.sep not in record.getMessage()
 
 
 def _is_callback_into_closed_loop(unraisable: Any) -> bool:
@@ -350,7 +360,9 @@ def failures_reported_once(path: pathlib.Path) -> Iterator[None]:
     try:
         yield
     except Exception:
-        gc.collect()   # the failed tasks are reported now, while the filter is in place
+        with warnings.catch_warnings():   # and reads it never started, as coroutines
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+            gc.collect()   # the failed tasks are reported now, while the filter is in place
         raise
     asyncio_log.removeFilter(echoes)
 
@@ -368,7 +380,7 @@ def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -
             return read(handler)
     except Exception as e:   # noqa: BLE001 -- Orbax raises assorted errors for such files
         raise ValueError(f"{directory}: cannot read this checkpoint "
-                         f"({_root_cause(e, with_type=True)}); if it is damaged (a full disk, "
+                         f"({_root_cause(e)}); if it is damaged (a full disk, "
                          "an interrupted copy), copy or convert it again") from e
     finally:
         handler.close()

@@ -52,6 +52,7 @@ from posjax.training import workdir_lock
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
+EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
 # Keys that may change between a run and its resumption: they change neither the math nor the
 # saved state. init_from only seeds a run that starts without a checkpoint; model.remat and
@@ -324,12 +325,10 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
     if not existing.is_dir():
         raise ValueError(f"workdir {str(workdir)!r}: {str(existing)!r} is a file, not a "
                          "directory; choose another --workdir")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
+    why = _cannot_write_in(existing)
+    if why:
         raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
-                         f"{e.strerror}); choose a directory you can write to") from None
+                         f"{why}); choose a directory you can write to")
     check_entries(workdir, TRAIN_ENTRIES)
     if not saved_steps(workdir):
         check_fresh_start(workdir, config)
@@ -348,16 +347,28 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
             + "\nUse a new --workdir (or delete this one to start over).")
 
 
-# What a run writes in its workdir (name: whether it is a directory), and an evaluation.
-TRAIN_ENTRIES = {CONFIG_FILE: False, "metrics.jsonl": False, "loss_curve.png": False,
-                 workdir_lock.LOCK_FILE: False, "checkpoints": True, "tensorboard": True}
-EVAL_ENTRIES = {"checkpoints": True, "predictions": True}
+# What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
+# into ("written") and files it replaces whole ("replaced": only the workdir must be writable).
+TRAIN_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "metrics.jsonl": "written",
+                 workdir_lock.LOCK_FILE: "written", CONFIG_FILE: "replaced",
+                 "loss_curve.png": "replaced"}
+EVAL_ENTRIES = {"checkpoints": "dir", "predictions": "dir"}
 
 
-def check_entries(workdir: pathlib.Path, entries: dict[str, bool]) -> None:
-    """Each of ``entries`` that exists in ``workdir`` is of its kind and writable, so that a
-    run does not fail after its steps (or an evaluation after evaluating) when it writes it."""
-    for name, is_dir in entries.items():
+def _cannot_write_in(directory: pathlib.Path) -> str | None:
+    """Why no file can be created in ``directory`` (None if one can)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as e:
+        return e.strerror
+
+
+def check_entries(workdir: pathlib.Path, entries: dict[str, str]) -> None:
+    """Each of ``entries`` that exists in ``workdir`` is of its kind and, if written into,
+    writable, so that a run does not fail after its steps (or an evaluation after evaluating)
+    when it writes there."""
+    for name, kind in entries.items():
         path = workdir / name
         if not os.path.lexists(path):
             continue
@@ -365,19 +376,19 @@ def check_entries(workdir: pathlib.Path, entries: dict[str, bool]) -> None:
             raise ValueError(f"workdir {str(workdir)!r}: {name} is a symbolic link to "
                              f"{os.readlink(path)!r}, which does not exist (storage not "
                              "mounted?): mount it, or remove the link")
-        if path.is_dir() != is_dir:
+        if path.is_dir() != (kind == "dir"):
             kinds = ("a directory", "a file") if path.is_dir() else ("a file", "a directory")
             raise ValueError(f"workdir {str(workdir)!r}: {name} is {kinds[0]}, not {kinds[1]}: "
                              "move it out of the workdir")
-        try:
-            if is_dir:
-                with tempfile.TemporaryFile(dir=path):
-                    pass
-            else:
+        why = _cannot_write_in(path) if kind == "dir" else None
+        if kind == "written":
+            try:
                 open(path, "a").close()   # writes nothing
-        except OSError as e:
-            raise ValueError(f"workdir {str(workdir)!r}: {name} is not writable ({e.strerror}): "
-                             "make it writable, or use another --workdir") from None
+            except OSError as e:
+                why = e.strerror
+        if why:
+            raise ValueError(f"workdir {str(workdir)!r}: {name} is not writable ({why}): make "
+                             "it writable, or use another --workdir")
 
 
 def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
@@ -402,7 +413,7 @@ def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
     if last > 2 * every:
         raise ValueError(
             f"workdir {str(workdir)!r} has metrics up to step {last} but no checkpoint in "
-            f"{workdir / 'checkpoints'} (saved every {every} steps): if the checkpoints are "
+            f"{workdir / 'checkpoints'} (checkpoint.every_steps={every}): if the checkpoints are "
             "elsewhere (storage not mounted?), bring them back to resume; to start over "
             "here, delete metrics.jsonl; or use a new --workdir")
 
