@@ -366,3 +366,32 @@ def test_a_save_that_fails_for_lack_of_space_is_one_error_naming_the_step(tmp_pa
     assert last.endswith("The checkpoints saved before are intact (the latest: step 2); fix the "
                          "storage, then start this run again to resume from there"), last
     assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+
+
+BACKGROUND_SAVE = """
+import sys, time
+import grain, numpy as np
+from posjax.training import checkpoint
+checkpointer = checkpoint.Checkpointer(sys.argv[1], every_steps=1, keep=0)
+iterator = iter(grain.MapDataset.range(4).to_iter_dataset())
+checkpointer.save(1, {"weights": np.random.default_rng(0).random(100_000, np.float32)},
+                iterator)   # 400 kB that do not compress
+while checkpointer.manager.is_saving_in_progress():
+    time.sleep(0.05)
+try:
+    checkpointer.check_background_save()
+except checkpoint.SaveFailed as e:
+    print("raised:", str(e)[:60], flush=True)
+checkpointer.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_failed_background_save_is_raised_between_steps(tmp_path):
+    """As soon as the background save has ended (here: failed on an 8 KiB file cap), the check
+    the loop makes after every step raises it: not a save interval of steps later."""
+    done = _run("-c", FILES_CAPPED, "-c", BACKGROUND_SAVE, str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        f"raised: the checkpoint of step 1 could not be written in {tmp_path}"[:68], "closed"], \
+        done.stdout + done.stderr[-2000:]

@@ -142,8 +142,8 @@ class _OrbaxErrorsOnOneLine(logging.Filter):
 class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
-    ``reached_preemption``. A save that fails (now, or in the background: seen at the next
-    save or wait) raises ``SaveFailed``."""
+    ``reached_preemption``. A save that fails (now, or in the background: seen by
+    ``check_background_save``, the next save or a wait) raises ``SaveFailed``."""
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
@@ -160,6 +160,7 @@ class Checkpointer:
                                              item_names=("state", "data_iter"))
         self.stop = stop
         self._pending: int | None = None   # the step of the last save begun
+        self._landed: int | None = None    # the last one seen complete by check_background_save
         self._failed = False
         self._quiet = _OrbaxErrorsOnOneLine()
         logging.getLogger("absl").addFilter(self._quiet)
@@ -197,6 +198,17 @@ class Checkpointer:
         if saved:
             self._pending = step
         return saved
+
+    def check_background_save(self) -> None:
+        """Between steps: once the last save has ended in the background, raise its failure
+        (SaveFailed) now rather than at the next save, a save interval of steps later. Single
+        process only: with several, a process's own view of "ended" must not decide a wait
+        that the others do not make."""
+        if (self._pending in (None, self._landed) or jax.process_count() > 1
+                or self.manager.is_saving_in_progress()):
+            return
+        self.wait()
+        self._landed = self._pending
 
     def _save_failed(self, step: int | None, error: Exception) -> SaveFailed:
         """The error for a save that failed: the earliest of the pending and the current step

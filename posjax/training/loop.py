@@ -753,6 +753,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             state, step_metrics = train_step(state, batch, key)
             step += 1
             accumulator.add(step_metrics)
+            checkpointer.check_background_save()
             if first:   # exclude compilation from throughput
                 jax.block_until_ready(state.step)
                 _print(run, f"step {step} (compilation included) took "
