@@ -159,8 +159,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data_iter"))
         self.stop = stop
-        self._pending: int | None = None   # the step of the last save begun
-        self._landed: int | None = None    # the last one seen complete by check_background_save
+        self._pending: int | None = None   # the step of a save begun and not waited for
         self._failed = False
         self._quiet = _OrbaxErrorsOnOneLine()
         logging.getLogger("absl").addFilter(self._quiet)
@@ -187,14 +186,10 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
-        try:
+        with self._storage_failures(step):
             saved = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data_iter=grain.checkpoint.CheckpointSave(data_iter)), force=force)
-        except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
-            if _is_storage_error(e):
-                raise self._save_failed(step, e) from e
-            raise
         if saved:
             self._pending = step
         return saved
@@ -204,14 +199,24 @@ class Checkpointer:
         (SaveFailed) now rather than at the next save, a save interval of steps later. Single
         process only: with several, a process's own view of "ended" must not decide a wait
         that the others do not make."""
-        if (self._pending in (None, self._landed) or jax.process_count() > 1
+        if (self._pending is None or jax.process_count() > 1
                 or self.manager.is_saving_in_progress()):
             return
         self.wait()
-        self._landed = self._pending
+
+    @contextlib.contextmanager
+    def _storage_failures(self, step: int | None) -> Iterator[None]:
+        """The storage failing inside (now, or a background save before) raises SaveFailed;
+        any other error passes unchanged. ``step``: the save begun inside, if any."""
+        try:
+            yield
+        except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
+            if _is_storage_error(e):
+                raise self._save_failed(step, e) from e
+            raise
 
     def _save_failed(self, step: int | None, error: Exception) -> SaveFailed:
-        """The error for a save that failed: the earliest of the pending and the current step
+        """The error for a save that failed: the earliest of the pending and the given step
         not on disk, the cause, and what is still there. Its failed writes are not reported
         again (asyncio logs each when its task is collected, even at exit, and Python warns
         of those it never started)."""
@@ -261,12 +266,9 @@ class Checkpointer:
         return restored["state"]
 
     def wait(self) -> None:
-        try:
+        with self._storage_failures(None):
             self.manager.wait_until_finished()
-        except Exception as e:   # noqa: BLE001
-            if _is_storage_error(e):
-                raise self._save_failed(self._pending, e) from e
-            raise
+        self._pending = None   # on disk
 
     def close(self) -> None:
         """Wait for the last save and close; after a ``SaveFailed``, only close (quietly)."""

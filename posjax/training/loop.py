@@ -586,7 +586,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
     run = prepare(config, workdir, training=False)
     steps = saved_steps(run.workdir)
-    requested = step
+    latest = step is None
     if step is None and steps:
         step = steps[-1]
     if not steps:
@@ -596,7 +596,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
                          f"(available: {steps})")
     pipe = run.make_eval_pipeline()     # data errors before the restore
-    state, step = _restore_for_eval(run, step, latest=requested is None)
+    state, step = _restore_for_eval(run, step, latest)
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
         result = run_evaluation(run, state.params, eval_step, pipe,
@@ -610,9 +610,9 @@ def _restore_for_eval(run: Run, step: int, latest: bool) -> tuple[state_lib.Trai
     """The state at ``step``. A run training in the workdir may rotate that step out
     (checkpoint.keep) while eval.py starts: then the new ``latest`` step is read, or, for a
     step asked for by number, one error says what happened."""
-    checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps,
-                                         run.config.checkpoint.keep, create=False)
     keep = run.config.checkpoint.keep
+    checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps, keep,
+                                         create=False)
     try:
         for _ in range(3):
             try:
