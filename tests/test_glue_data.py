@@ -248,3 +248,34 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
     assert (tmp_path / "a.json").read_text() == "{}\n"
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path):
+    """A writer SIGKILLed mid-write leaves ``.<name>.<host>.<pid>.tmp``; the next write of that
+    file removes it, and keeps the one of a writer still at work and those of other files."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from posjax.data.common import write_text_atomically
+    hang = ("import sys, time, pathlib; from posjax.data.common import write_atomically; "
+            "write_atomically(pathlib.Path(sys.argv[1]), "
+            "lambda tmp: (tmp.write_text('partial'), time.sleep(600)))")
+    writers = [subprocess.Popen([sys.executable, "-c", hang, str(tmp_path / name)])
+               for name in ("a.json", "a.json", "b.json")]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob(".*.tmp"))) < 3:
+            assert time.monotonic() < deadline, "the writers did not start"
+            time.sleep(0.05)
+        for killed in (writers[0], writers[2]):
+            killed.send_signal(signal.SIGKILL)
+            killed.wait()
+        write_text_atomically(tmp_path / "a.json", "{}\n")
+        left = sorted(p.name.rsplit(".", 2)[-2] for p in tmp_path.glob(".*.tmp"))
+        assert left == sorted([str(writers[1].pid), str(writers[2].pid)])   # a's live, b's
+        assert (tmp_path / "a.json").read_text() == "{}\n"
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()

@@ -5,10 +5,12 @@ import atexit
 import contextlib
 import functools
 import gc
+import glob
 import multiprocessing.resource_tracker
 import os
 import pathlib
 import signal
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -156,14 +158,38 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
 def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
     """``write(tmp)`` into a temporary file in ``path``'s folder, then ``os.replace`` it onto
     ``path``: a crash leaves the old file or the new one, never a partial one. The file gets
-    the usual permissions (0666 less the umask), readable by others on shared storage."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    the usual permissions (0666 less the umask), readable by others on shared storage.
+
+    The temporary file is ``.<name>.<host>.<pid>.tmp``; those a killed writer on this host left
+    for the same ``path`` are removed first (a SIGKILL mid-write cannot clean up after itself).
+    """
+    prefix = f".{path.name}.{socket.gethostname()}."
+    _remove_abandoned(path.parent, prefix)
+    tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _remove_abandoned(folder: pathlib.Path, prefix: str) -> None:
+    """Remove ``folder/<prefix><pid>.tmp`` files whose writer (a process of this host) is gone."""
+    for tmp in folder.glob(glob.escape(prefix) + "*.tmp"):
+        pid = tmp.name[len(prefix):-len(".tmp")]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 def write_text_atomically(path: pathlib.Path, text: str) -> None:
