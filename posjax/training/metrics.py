@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax.data.common import write_text_atomically
+
 # Dense bf16 peak FLOP/s of one JAX device, by substring of device_kind (first match wins).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v2", 22.5e12),        # per core (a v2 chip has 2 devices)
@@ -180,9 +182,7 @@ def drop_after(path: pathlib.Path, step: int) -> None:
     lines, records = _read_records(path)
     keep = [ln for ln, r in zip(lines, records) if r is not None and r.get("step", 0) <= step]
     if len(keep) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        tmp.replace(path)
+        write_text_atomically(path, "".join(ln + "\n" for ln in keep))
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
