@@ -4,6 +4,7 @@ import gzip
 import multiprocessing
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -476,3 +477,105 @@ def test_bad_config_errors_name_the_split_files(shared_data, tmp_path):
     del cfg["flip"]
     with pytest.raises(ValueError, match=r"keys \['flip'\] are missing"):
         validate_data_config(cfg)
+
+
+def _npz(root, split, labels, images=None, **more):
+    labels = np.asarray(labels)
+    images = np.zeros((len(labels), 4, 4, 1), np.uint8) if images is None else images
+    np.savez(root / f"{split}.npz", image=images, label=labels, **more)
+
+
+def test_npz_labels_must_be_class_indices_of_the_folder(tmp_path):
+    """Every split of an npz folder has the classes of the whole folder (its largest label + 1,
+    or its 'classes'), and labels must be one integer in range per example: (N, 1) labels
+    (Keras' layout) broadcast into a wrong loss, float ones were truncated, out-of-range ones
+    became all-zero targets."""
+    _npz(tmp_path, "train", [0, 1, 2, 1])       # lacks class 3, which only the test split has
+    _npz(tmp_path, "test", [3, 0])
+    assert sources.open_local_split("cifar10", tmp_path, "train").num_classes == 4
+    for labels, message in (([[0], [1]], r"labels must be one integer class index per "
+                                         r"example, shape \(N,\); got int64\(2, 1\) \(for \(N, "
+                                         r"1\) labels, store labels.reshape\(-1\)\)"),
+                            ([0.7, 1.0], r"labels must be .*; got float64\(2,\)"),
+                            ([0, -1], r"1 label\(s\) outside 0..3 \(the 4 classes\), e.g. \[-1\]")):
+        _npz(tmp_path, "bad", labels)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad.npz'}: " + message):
+            sources.open_local_split("cifar10", tmp_path, "bad")
+    (tmp_path / "bad.npz").unlink()
+    _npz(tmp_path, "test", [3, 0], classes=np.array(["a", "b", "c"]))
+    with pytest.raises(ValueError, match=r"test.npz: 1 label\(s\) outside 0..2 \(the 3 classes\)"):
+        sources.open_local_split("cifar10", tmp_path, "test")
+    _npz(tmp_path, "train", [0, 1], classes=np.array(["a", "b", "x"]))
+    with pytest.raises(ValueError, match=r"its npz files name different 'classes' \(test.npz: "
+                                         r"3; train.npz: 3\); give every split the same list"):
+        sources.open_local_split("cifar10", tmp_path, "train")
+
+
+def test_mnist_labels_outside_the_ten_classes_are_refused(shared_data, tmp_path):
+    with gzip.open(shared_data / "mnist" / "t10k-labels-idx1-ubyte.gz") as f:
+        labels = bytearray(f.read())
+    labels[8:10] = bytes([10, 255])
+    (tmp_path / "t10k-images-idx3-ubyte.gz").symlink_to(
+        shared_data / "mnist" / "t10k-images-idx3-ubyte.gz")
+    with gzip.open(tmp_path / "t10k-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(bytes(labels))
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte.gz: 2 label\(s\) outside "
+                                         r"0..9 \(the 10 classes\), e.g. \[10, 255\]"):
+        sources.open_local_split("mnist", tmp_path, "test")
+
+
+def test_unreadable_files_are_named(tmp_path):
+    (tmp_path / "plain-labels-idx1-ubyte.gz").write_bytes((2049).to_bytes(4, "big") + bytes(8))
+    with gzip.open(tmp_path / "cut-labels-idx1-ubyte.gz", "wb") as f:
+        f.write((2049).to_bytes(4, "big") + bytes(4000))
+    cut = (tmp_path / "cut-labels-idx1-ubyte.gz").read_bytes()
+    (tmp_path / "cut-labels-idx1-ubyte.gz").write_bytes(cut[:len(cut) // 2])
+    for name, cause in (("plain", "BadGzipFile"), ("cut", "EOFError")):
+        path = tmp_path / f"{name}-labels-idx1-ubyte.gz"
+        with pytest.raises(ValueError, match=rf"^{path}: cannot be read as a gzipped IDX file "
+                                             rf"\({cause}: .*\); download it again"):
+            sources.read_idx(path, 2049)
+    np.savez(tmp_path / "train.npz", image=np.zeros((9, 4, 4, 1), np.uint8), label=np.zeros(9))
+    (tmp_path / "train.npz").write_bytes((tmp_path / "train.npz").read_bytes()[:-30])   # cut
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'train.npz'}: cannot be read as an npz "
+                                         r"file \(BadZipFile: .*\); write it again"):
+        sources.open_local_split("cifar10", tmp_path, "train")
+    np.savez(tmp_path / "train.npz", image=np.zeros((1, 4, 4, 1), np.uint8),
+             label=np.array([None], object))
+    with pytest.raises(ValueError, match=r"train.npz: cannot be read as an npz file \(Object "
+                                         r"arrays cannot be loaded .*numeric arrays only"):
+        sources.open_local_split("cifar10", tmp_path, "train")
+
+
+def test_image_folder_reads_16_bit_grey_and_names_an_undecodable_file(tmp_path):
+    """Pillow's convert('RGB') clips 16-bit grey at 255 (a 0..65535 ramp came out 99.6 %
+    white); it is scaled to 8 bits instead. A file that does not decode is named."""
+    (tmp_path / "train" / "ramp").mkdir(parents=True)
+    ramp = (np.arange(256, dtype=np.uint16) * 257).reshape(16, 16)
+    Image.fromarray(ramp).save(tmp_path / "train" / "ramp" / "0.png")
+    assert Image.open(tmp_path / "train" / "ramp" / "0.png").mode.startswith("I")
+    source = sources.open_local_split("image_folder", tmp_path, "train")
+    pixels = source[0]["image"]
+    assert pixels.shape == (16, 16, 3) and pixels.dtype == np.uint8
+    np.testing.assert_array_equal(pixels, np.repeat(np.arange(256, dtype=np.uint8).reshape(
+        16, 16)[..., None], 3, axis=-1))
+    (tmp_path / "train" / "ramp" / "1.png").write_bytes(
+        (tmp_path / "train" / "ramp" / "0.png").read_bytes()[:60])
+    source = sources.open_local_split("image_folder", tmp_path, "train")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'train' / 'ramp' / '1.png'}: cannot be "
+                                         r"decoded as an image \(.*\); replace or remove"):
+        source[1]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("train[:150%]", r"a percentage bound lies in -100%..100%, not 150%"),
+    ("train[:11]", r"bound 11 lies outside the split's 10 examples; give one in -10..10"),
+    ("train[-11:]", r"bound -11 lies outside"),
+])
+def test_split_bounds_past_the_split_are_refused_as_in_tfds(tmp_path, spec, message):
+    cfg = indexed_npz(tmp_path)
+    cfg.train_split = spec
+    with pytest.raises(ValueError, match=rf"split '{re.escape(spec)}': " + message):
+        make_image_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
+    assert sources.split_range("train[:100%]", 10) == range(10)
+    assert sources.split_range("train[-10:10]", 10) == range(10)

@@ -15,12 +15,17 @@ Sources and their split names:
   split ``test`` reads prefix ``t10k``.
 - ``cifar10``: a folder of ``<split>.npz`` files with keys ``image`` (N, H, W, C) uint8 and
   ``label`` (N,) (optional ``classes``); the split name is the file stem (``train_20k``).
+  Every split has the folder's classes: the ``classes`` list, else the largest label of any
+  split plus 1.
 - ``image_folder``: ``root/<split>/<class>/*.png|jpg|jpeg``; classes are the sorted union of
   class folder names over all splits (so labels agree between splits); images are decoded
-  to RGB with Pillow when read.
+  to RGB with Pillow when read (16-bit grey scaled to 8 bits).
+
+Labels must be integers in ``[0, num_classes)``, one per example; a file that cannot be read
+is named in a ValueError.
 
 A split may carry a slice, as in TFDS: ``test[:8000]``, ``test[8000:]``, ``train[:80%]``
-(see ``parse_split``).
+(see ``parse_split``); as in TFDS, a bound past the split's end is refused.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ import functools
 import gzip
 import pathlib
 import re
+import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -54,31 +61,40 @@ def parse_split(spec: str) -> tuple[str, str, str]:
     return match["base"], match["start"] or "", match["stop"] or ""
 
 
-def _bound(text: str, length: int) -> int | None:
+def _bound(text: str, length: int, spec: str) -> int | None:
     if not text:
         return None
     if text.endswith("%"):
-        return round(int(text[:-1]) * length / 100)
+        percent = int(text[:-1])
+        if not -100 <= percent <= 100:
+            raise ValueError(f"split {spec!r}: a percentage bound lies in -100%..100%, not "
+                             f"{percent}%")
+        return round(percent * length / 100)
+    if not -length <= int(text) <= length:   # as TFDS: a bound past the end is refused
+        raise ValueError(f"split {spec!r}: bound {int(text)} lies outside the split's {length} "
+                         f"examples; give one in -{length}..{length}, or a percentage")
     return int(text)
 
 
 def split_range(spec: str, length: int) -> range:
     """The example indices selected by a split spec from a split of ``length`` examples."""
     _, start, stop = parse_split(spec)
-    return range(length)[slice(_bound(start, length), _bound(stop, length))]
+    return range(length)[slice(_bound(start, length, spec), _bound(stop, length, spec))]
 
 
 # ----------------------------------------------------------------------------- sources
 
 
 class ArraySource:
-    """In-memory source over ``images`` (N, H, W, C) uint8 and ``labels`` (N,)."""
+    """In-memory source over ``images`` (N, H, W, C) uint8 and ``labels`` (N,) in
+    ``[0, num_classes)``, read from ``origin`` (named in errors)."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, num_classes: int):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, num_classes: int, origin: str):
         if images.ndim != 4 or images.dtype != np.uint8 or len(images) != len(labels):
             raise ValueError(
-                f"expected uint8 images (N, H, W, C) and N labels, got images {images.dtype}"
-                f"{images.shape} and labels {labels.shape}")
+                f"{origin}: expected uint8 images (N, H, W, C) and N labels, got images "
+                f"{images.dtype}{images.shape} and labels {labels.shape}")
+        check_labels(labels, num_classes, origin)
         self.images = images
         self.labels = labels.astype(np.int32)
         self.num_classes = num_classes
@@ -107,14 +123,46 @@ class ImageFolderSource:
         return len(self.files)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        from PIL import Image  # Pillow is only needed for this source.
-
-        with Image.open(self.files[index]) as image:
-            pixels = np.asarray(image.convert("RGB"), np.uint8)
-        return {"image": pixels, "label": self.labels[index]}
+        return {"image": decode_rgb(self.files[index]), "label": self.labels[index]}
 
     def __repr__(self) -> str:
         return f"ImageFolderSource({len(self)} files, {self.num_classes} classes)"
+
+
+def check_labels(labels: np.ndarray, num_classes: int, origin: str) -> None:
+    """``labels`` must be one integer class index per example, in ``[0, num_classes)``."""
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{origin}: labels must be one integer class index per example, shape "
+                         f"(N,); got {labels.dtype}{labels.shape} (for (N, 1) labels, store "
+                         "labels.reshape(-1))")
+    bad = labels[(labels < 0) | (labels >= num_classes)]
+    if bad.size:
+        raise ValueError(f"{origin}: {bad.size} label(s) outside 0..{num_classes - 1} (the "
+                         f"{num_classes} classes), e.g. {sorted(set(bad[:1000].tolist()))[:5]}; "
+                         "fix the labels (or, for an npz folder, its 'classes')")
+
+
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")   # Pillow's 16-bit grey modes
+
+
+def decode_rgb(path: str) -> np.ndarray:
+    """The image at ``path`` as uint8 RGB (H, W, 3); 16-bit grey is scaled to 8 bits
+    (round(v / 257)), not clipped at 255 as Pillow's ``convert('RGB')`` does."""
+    from PIL import Image  # Pillow is only needed for image folders.
+
+    try:
+        with Image.open(path) as image:
+            if image.mode not in _SIXTEEN_BIT_MODES:
+                return np.asarray(image.convert("RGB"), np.uint8)
+            grey = np.asarray(image).astype(np.int64)
+    except (OSError, SyntaxError, ValueError) as e:   # Pillow's ways of saying "not decodable"
+        raise ValueError(f"{path}: cannot be decoded as an image ({type(e).__name__}: {e}); "
+                         "replace or remove the file") from e
+    if grey.min(initial=0) < 0 or grey.max(initial=0) > 65535:
+        raise ValueError(f"{path}: {image.mode} pixel values span {grey.min()}..{grey.max()}, "
+                         "outside 16 bits; store it as 8- or 16-bit PNG")
+    grey8 = ((grey * 255 + 32767) // 65535).astype(np.uint8)
+    return np.repeat(grey8[..., None], 3, axis=-1)
 
 
 # ----------------------------------------------------------------------------- digits
@@ -145,7 +193,7 @@ def digits_source(split: str) -> ArraySource:
     in_test = np.zeros(len(labels), bool)
     in_test[digits_test_indices(labels)] = True
     keep = in_test if split == "test" else ~in_test
-    return ArraySource(images[keep], labels[keep], num_classes=10)
+    return ArraySource(images[keep], labels[keep], num_classes=10, origin="digits")
 
 
 # ----------------------------------------------------------------------------- MNIST IDX
@@ -162,8 +210,12 @@ def mnist_files(root: pathlib.Path, split: str) -> tuple[pathlib.Path, pathlib.P
 
 def read_idx(path: pathlib.Path, magic: int) -> np.ndarray:
     """One gzipped IDX array of uint8: big-endian int32 magic, dims, then the data."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:   # not gzip, cut short, unreadable
+        raise ValueError(f"{path}: cannot be read as a gzipped IDX file ({type(e).__name__}: "
+                         f"{e}); download it again (gzip it if it is the plain IDX file)") from e
     found = int.from_bytes(data[:4], "big")
     if found != magic:
         raise ValueError(f"{path}: IDX magic number is {found}, expected {magic}")
@@ -182,24 +234,55 @@ def mnist_source(root: pathlib.Path, split: str) -> ArraySource:
     if len(images) != len(labels):
         raise ValueError(f"{images_path} has {len(images)} images but {labels_path} has "
                          f"{len(labels)} labels")
-    return ArraySource(images[..., None], labels, num_classes=10)
+    return ArraySource(images[..., None], labels, num_classes=10, origin=str(labels_path))
 
 
 # ----------------------------------------------------------------------------- CIFAR npz
 
 
 def npz_source(root: pathlib.Path, split: str) -> ArraySource:
+    """``root/<split>.npz``; its classes are those of the whole folder (``npz_num_classes``)."""
     path = root / f"{split}.npz"
-    with np.load(path) as npz:
-        missing = {"image", "label"} - set(npz.files)
-        if missing:
-            raise ValueError(f"{path} lacks keys {sorted(missing)} (has {npz.files}); it needs "
-                             "'image' (N, H, W, C) uint8 and 'label' (N,)")
-        images, labels = npz["image"], npz["label"]
-        num_classes = len(npz["classes"]) if "classes" in npz.files else int(labels.max()) + 1
-    if images.ndim == 3:
-        images = images[..., None]
-    return ArraySource(images, labels, num_classes)
+    arrays = read_npz(path, "image", "label")
+    images = arrays["image"][..., None] if arrays["image"].ndim == 3 else arrays["image"]
+    return ArraySource(images, arrays["label"], npz_num_classes(root), origin=str(path))
+
+
+def read_npz(path: pathlib.Path, *keys: str) -> dict[str, np.ndarray]:
+    """Those of the arrays ``keys`` that the npz file ``path`` holds; one ValueError naming the
+    file when it cannot be read or lacks ``image`` or ``label``."""
+    try:
+        with np.load(path) as npz:
+            missing = {"image", "label"} - set(npz.files)
+            if missing:
+                raise ValueError(f"{path} lacks keys {sorted(missing)} (has {npz.files}); it "
+                                 "needs 'image' (N, H, W, C) uint8 and 'label' (N,)")
+            return {k: npz[k] for k in keys if k in npz.files}
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: cannot be read as an npz file ({type(e).__name__}: {e}); "
+                         "write it again with numpy.savez") from e
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: cannot be read as an npz file ({e}); write it again with "
+                         "numpy.savez, with numeric arrays only") from e
+
+
+def npz_num_classes(root: pathlib.Path) -> int:
+    """The folder's class count, the same for all its splits (a split may lack some classes):
+    the length of its ``classes`` (every file that has one must agree), else the largest
+    integer label of any ``<split>.npz`` plus 1."""
+    arrays = {p.name: read_npz(p, "label", "classes") for p in sorted(root.glob("*.npz"))}
+    named = {name: [str(c) for c in a["classes"]] for name, a in arrays.items() if "classes" in a}
+    if named:
+        lists = list(named.values())
+        if any(c != lists[0] for c in lists):
+            raise ValueError(f"{root}: its npz files name different 'classes' ("
+                             + "; ".join(f"{n}: {len(c)}" for n, c in named.items())
+                             + "); give every split the same list")
+        return len(lists[0])
+    return 1 + max((int(a["label"].max(initial=-1)) for a in arrays.values()
+                    if np.issubdtype(a["label"].dtype, np.integer)), default=-1)
 
 
 # ----------------------------------------------------------------------------- image folder
