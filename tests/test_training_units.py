@@ -529,6 +529,30 @@ def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
         assert not (tmp_path / "w").exists()
 
 
+def test_a_bad_test_split_is_refused_before_writing(tmp_path):
+    """The test split is opened before anything is written, like the train split: an empty
+    or unreadable one used to end the run at its first evaluation, after its steps and saves."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "configs"))
+    import vit_digits
+    config = vit_digits.get_config("tiny")
+    config.data.test_split = "test[5:5]"
+    with pytest.raises(ValueError, match=r"data.test_split selects 0 examples"):
+        loop.train(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    for split in ("train", "test"):
+        np.savez(folder / f"{split}.npz", image=np.zeros((8, 8, 8, 1), np.uint8),
+                 label=np.arange(8) % 10)
+    (folder / "test.npz").write_bytes((folder / "test.npz").read_bytes()[:-30])   # cut short
+    config = vit_digits.get_config("tiny")
+    config.data.update(name="cifar10", path=str(folder), train_split="train", test_split="test")
+    config.model.num_classes = 8
+    with pytest.raises(ValueError, match=rf"{folder / 'test.npz'}: cannot be read as an npz"):
+        loop.train(config, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
 def test_init_from_summary_counts_and_shows_the_first_notes():
     notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(7)]
     notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")

@@ -667,7 +667,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     """
     with ckpt_lib.StopRequest() as stop:   # from the start: a SIGTERM during set-up is no crash
         run = prepare(config, workdir, training=True)
-        # Data errors (and data that does not fit the model) before anything is written.
+        # Data errors (and data that does not fit the model) before anything is written, in
+        # the test split too (else they would end the run at its first evaluation).
+        run.make_eval_pipeline().iterator.close()
         pipe = run.make_pipeline("train", config.batch_size, True)
         # Closing stops the input workers and frees the batches they had prefetched.
         with contextlib.closing(pipe.iterator):
