@@ -119,3 +119,41 @@ def test_bad_inputs(tmp_path, corpus, capsys):
     assert tk.main(["train", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+SPECIALS = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n"
+
+
+def test_bert_vocab_is_read_as_the_library_reads_it(bert_vocab):
+    """Our vocab.txt reader gives tokenizers' own {token: id} for BERT's vocabulary (which
+    therefore repeats no token)."""
+    from tokenizers import models
+
+    assert tk.read_wordpiece_vocab(str(bert_vocab)) == models.WordPiece.read_file(str(bert_vocab))
+
+
+def test_vocab_with_a_repeated_token_is_refused(tmp_path):
+    """The library keeps the last id of a repeated token and counts distinct tokens, so ids
+    would reach past vocab_size (NaN embeddings); the file is refused instead."""
+    vocab = tmp_path / "repeated.txt"
+    vocab.write_text(SPECIALS + "the\ncat\nthe\ndog\ncat\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"repeated.txt has 2 line\(s\) repeating an earlier "
+                                         r"token, the first 'the' on lines 6 and 8: list each "
+                                         r"token once"):
+        tk.load_tokenizer(vocab)
+
+
+def test_vocab_bom_is_not_part_of_the_first_token(tmp_path):
+    vocab = tmp_path / "bom.txt"
+    vocab.write_text("\ufeff" + SPECIALS + "cat\n", encoding="utf-8")
+    tok = tk.load_tokenizer(vocab)
+    assert tok.special == tk.SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4)
+    assert tok.vocab_size == 6 and tok.encode("cat").ids.tolist() == [5]
+
+
+def test_vocab_that_is_not_utf8_is_refused_with_its_line(tmp_path):
+    vocab = tmp_path / "latin1.txt"
+    vocab.write_bytes(SPECIALS.encode() + b"cat\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin1.txt: line 7, bytes 38..39 are not valid UTF-8; "
+                                         r"convert the file to UTF-8"):
+        tk.load_tokenizer(vocab)

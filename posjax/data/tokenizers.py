@@ -2,8 +2,9 @@
 
 ``load_tokenizer(path)`` accepts
 
-- a BERT WordPiece ``vocab.txt`` (one token per line, id = line number), run with BERT's
-  normalisation (optional lower-casing and accent stripping) and punctuation splitting;
+- a BERT WordPiece ``vocab.txt`` (UTF-8, an optional BOM; one token per line, id = line
+  number, so a repeated token is refused), run with BERT's normalisation (optional
+  lower-casing and accent stripping) and punctuation splitting;
 - a SentencePiece ``*.model`` (e.g. DeBERTa-v3 ``spm.model``);
 - a Hugging Face ``tokenizer.json`` (GPT-2 byte-level BPE, DeBERTa v1, or one trained here);
 - a folder holding one of these (looked up in the order above).
@@ -172,12 +173,47 @@ def _from_hf(tokenizer, path: str) -> TextTokenizer:
     return TextTokenizer(tokenizer, path)
 
 
+def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
+    """``{token: id}`` of a WordPiece ``vocab.txt``, parsed as the tokenizers library does (id =
+    line number, trailing whitespace dropped), after checks it lacks: the file must be UTF-8 (a
+    leading BOM is skipped) and hold each token once (a repeated token leaves its first id
+    unused, so ids would reach past the vocabulary size the library reports)."""
+    data = pathlib.Path(vocab_file).read_bytes()
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"WordPiece vocabulary {vocab_file}: line {line}, bytes {e.start}.."
+                         f"{e.end} are not valid UTF-8; convert the file to UTF-8") from e
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start a new one
+    tokens = [line.rstrip() for line in lines]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) < len(tokens):
+        raise ValueError(_duplicates_message(vocab_file, tokens))
+    return vocab
+
+
+def _duplicates_message(vocab_file: str, tokens: Sequence[str]) -> str:
+    first_line: dict[str, int] = {}
+    repeats = []  # (token, line of its first occurrence, line of the repeat)
+    for line, token in enumerate(tokens, 1):
+        if token in first_line:
+            repeats.append((token, first_line[token], line))
+        first_line.setdefault(token, line)
+    token, first, again = repeats[0]
+    return (f"WordPiece vocabulary {vocab_file} has {len(repeats)} line(s) repeating an earlier "
+            f"token, the first {token!r} on lines {first} and {again}: list each token once, "
+            "one per line (a token's id is its line number)")
+
+
 def wordpiece_tokenizer(vocab_file: str | None = None, lowercase: bool = True):
     """A ``tokenizers.Tokenizer`` running BERT's normaliser, punctuation split and WordPiece
     over ``vocab_file`` (None: an empty model to train)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    vocab = models.WordPiece.read_file(vocab_file) if vocab_file else None
+    vocab = read_wordpiece_vocab(vocab_file) if vocab_file else None
     unk = "[UNK]"
     if vocab is not None:
         unk = next((n for n in SPECIAL_NAMES["unk"] if n in vocab), None)
