@@ -154,6 +154,22 @@ def test_bad_rows_are_counted_or_refused(glue_dir):
         glue.read_split(cfg_for("sst2", glue_dir), "validation")
 
 
+def test_tsv_that_is_not_utf8_is_refused_with_its_line(glue_dir):
+    """The decoder's own error gives a position within a read chunk and no file or line."""
+    head = ("sentence\tlabel\n" + "".join(f"fine sentence {i}\t1\n" for i in range(900))).encode()
+    (glue_dir / "SST-2" / "train.tsv").write_bytes(head + b"caf\xe9 au lait\t1\n")
+    at = len(head) + 3
+    with pytest.raises(ValueError, match=rf"SST-2/train.tsv': line 902, bytes {at}..{at + 1} "
+                                         "are not valid UTF-8; convert the file to UTF-8"):
+        glue.read_split(cfg_for("sst2", glue_dir), "train")
+    # Lines end at \r too (as the reader counts them); offsets count a leading BOM.
+    head = b"\xef\xbb\xbfsentence\tlabel\rgood\t1\r"
+    (glue_dir / "SST-2" / "train.tsv").write_bytes(head + b"na\xefve\t0\r")
+    at = len(head) + 2
+    with pytest.raises(ValueError, match=rf"line 3, bytes {at}..{at + 1} are not valid UTF-8"):
+        glue.read_split(cfg_for("sst2", glue_dir), "train")
+
+
 def test_metrics_match_sklearn_and_scipy():
     from scipy import stats
     from sklearn import metrics

@@ -32,7 +32,8 @@ Bad input: an empty line is skipped and counted; a row with the wrong column cou
 unknown or non-numeric label, or no text is skipped and counted with its line number; more
 than ``MAX_BAD_FRACTION`` of bad rows in a labelled split, or any bad row in a test split (a
 submission must hold every example), raises ValueError naming the file. A header lacking the
-task's columns (wrong folder or task) raises at once.
+task's columns (wrong folder or task) raises at once, and so does a byte that is not UTF-8
+(naming its line).
 
 Metrics (``glue_metrics``): accuracy; F1 of the positive class (MRPC, QQP); Matthews
 correlation (CoLA); Pearson and Spearman correlation (STS-B). Submission files
@@ -198,7 +199,7 @@ def read_tsv(path: str | pathlib.Path, task: GlueTask, labelled: bool
                          f"folder holding {task.folder}/ (the GLUE download layout)")
     examples: list[Example] = []
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        reader = csv.reader(_utf8_lines(f, path), delimiter="\t", quoting=csv.QUOTE_NONE)
         header = list(task.headerless) if (labelled and task.headerless) else next(reader, None)
         if header is None:
             raise ValueError(f"GLUE file {str(path)!r} is empty")
@@ -234,6 +235,28 @@ def read_tsv(path: str | pathlib.Path, task: GlueTask, labelled: bool
     report.kept = len(examples)
     _check_bad_rows(report, labelled)
     return examples, report
+
+
+def _utf8_lines(file, path: pathlib.Path):
+    """The lines of the open text ``file``; a byte that is not UTF-8 raises ValueError."""
+    try:
+        yield from file
+    except UnicodeDecodeError as e:  # its position is within a read chunk, not the file
+        raise ValueError(_not_utf8_message(path)) from e
+
+
+def _not_utf8_message(path: pathlib.Path) -> str:
+    """Names the line and bytes of the first byte of ``path`` that is not UTF-8 (lines counted
+    as the reader counts them: a line ends at \\n, \\r\\n or \\r)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        where = "some bytes are"  # the file changed since it was read
+    except UnicodeDecodeError as e:
+        before = data[:e.start]
+        line = len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
+        where = f"line {line}, bytes {e.start}..{e.end} are"
+    return f"GLUE file {str(path)!r}: {where} not valid UTF-8; convert the file to UTF-8"
 
 
 def _check_bad_rows(report: ReadReport, labelled: bool) -> None:
