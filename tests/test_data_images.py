@@ -579,3 +579,28 @@ def test_split_bounds_past_the_split_are_refused_as_in_tfds(tmp_path, spec, mess
         make_image_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
     assert sources.split_range("train[:100%]", 10) == range(10)
     assert sources.split_range("train[-10:10]", 10) == range(10)
+
+
+def test_image_folder_split_without_some_classes_is_named_once(tmp_path, caplog):
+    for split, classes in (("train", ("cat", "dog")), ("test", ("cat", "dog", "owl"))):
+        for name in classes:
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new("RGB", (4, 4)).save(tmp_path / split / name / "0.png")
+    (tmp_path / "train" / "emu").mkdir()   # an empty class folder
+    for _ in range(2):
+        source = sources.open_local_split("image_folder", tmp_path, "train")
+    assert source.num_classes == 4
+    warnings = [r.getMessage() for r in caplog.records if "has no images" in r.getMessage()]
+    assert warnings == [f"image folder split {tmp_path / 'train'} has no images of class(es) "
+                        "emu, owl; the classes are the <class> folders of all splits, and the "
+                        "model has an output for each"]
+
+
+def test_an_mnist_split_without_its_labels_file_names_it(shared_data, tmp_path):
+    (tmp_path / "t10k-images-idx3-ubyte.gz").symlink_to(
+        shared_data / "mnist" / "t10k-images-idx3-ubyte.gz")
+    cfg = default_data_config("mnist")
+    cfg.update(path=str(tmp_path), train_split="test")
+    with pytest.raises(ValueError, match=r"data.train_split='test': no such split in .* \(no "
+                                         r"t10k-labels-idx1-ubyte.gz\); it offers no splits"):
+        validate_data_config(cfg)

@@ -170,8 +170,11 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
     names = sources.local_split_names(cfg.name, root)
     for field in ("train_split", "test_split"):
         base, _, _ = sources.parse_split(cfg[field])
-        check(base in names, field, f"no such split in {cfg.path or cfg.name}; "
-              f"it offers {names or 'no splits (wrong folder?)'}")
+        missing = [p.name for p in sources.mnist_files(root, base) if not p.is_file()] \
+            if cfg.name == "mnist" else []
+        check(base in names, field, f"no such split in {cfg.path or cfg.name}"
+              + (f" (no {' or '.join(missing)})" if missing else "")
+              + f"; it offers {names or 'no splits (wrong folder?)'}")
     return out
 
 

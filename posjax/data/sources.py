@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import logging
 import pathlib
 import re
 import zipfile
@@ -296,17 +297,28 @@ def folder_classes(root: pathlib.Path) -> list[str]:
 
 def image_folder_source(root: pathlib.Path, split: str) -> ImageFolderSource:
     classes = folder_classes(root)
-    files, labels = [], []
+    files, labels, empty = [], [], []
     for label, name in enumerate(classes):
         folder = root / split / name
         found = sorted(f for f in folder.glob("*") if f.suffix.lower() in IMAGE_SUFFIXES) \
             if folder.is_dir() else []
         files += found
         labels += [label] * len(found)
+        if not found:
+            empty.append(name)
+    if empty and files:
+        _warn_missing_classes(root / split, tuple(empty))
     if not files:
         raise ValueError(f"image folder split {root / split} holds no "
                          f"{'/'.join(IMAGE_SUFFIXES)} files under <class>/ subfolders")
     return ImageFolderSource(files, labels, len(classes))
+
+
+@functools.lru_cache(maxsize=None)   # once per split, not at every evaluation
+def _warn_missing_classes(folder: pathlib.Path, classes: tuple[str, ...]) -> None:
+    logging.warning("image folder split %s has no images of class(es) %s; the classes are the "
+                    "<class> folders of all splits, and the model has an output for each",
+                    folder, ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else ""))
 
 
 # ----------------------------------------------------------------------------- lookup
