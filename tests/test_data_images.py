@@ -492,7 +492,11 @@ def test_npz_labels_must_be_class_indices_of_the_folder(tmp_path):
     became all-zero targets."""
     _npz(tmp_path, "train", [0, 1, 2, 1])       # lacks class 3, which only the test split has
     _npz(tmp_path, "test", [3, 0])
+    np.savez(tmp_path / "mean_std.npz", mean=np.zeros(3), std=np.ones(3))   # not a split
     assert sources.open_local_split("cifar10", tmp_path, "train").num_classes == 4
+    with pytest.raises(ValueError, match=r"mean_std.npz lacks keys \['image', 'label'\] \(has "
+                                         r"\[\]\)"):
+        sources.open_local_split("cifar10", tmp_path, "mean_std")
     for labels, message in (([[0], [1]], r"labels must be one integer class index per "
                                          r"example, shape \(N,\); got int64\(2, 1\) \(for \(N, "
                                          r"1\) labels, store labels.reshape\(-1\)\)"),
@@ -542,9 +546,27 @@ def test_unreadable_files_are_named(tmp_path):
         sources.open_local_split("cifar10", tmp_path, "train")
     np.savez(tmp_path / "train.npz", image=np.zeros((1, 4, 4, 1), np.uint8),
              label=np.array([None], object))
-    with pytest.raises(ValueError, match=r"train.npz: cannot be read as an npz file \(Object "
-                                         r"arrays cannot be loaded .*numeric arrays only"):
+    with pytest.raises(ValueError, match=r"train.npz: cannot be read as an npz file \(ValueError: "
+                                         r"Object arrays cannot be loaded .*numeric arrays only"):
         sources.open_local_split("cifar10", tmp_path, "train")
+    with open(tmp_path / "train.npz", "wb") as f:   # np.save's format under an .npz name
+        np.save(f, np.zeros(3))
+    with pytest.raises(ValueError, match=r"train.npz: cannot be read as an npz file \(ValueError: "
+                                         r"it holds one array \(.npy\), not named arrays"):
+        sources.open_local_split("cifar10", tmp_path, "train")
+    np.savez_compressed(tmp_path / "train.npz", image=np.zeros((64, 8, 8, 1), np.uint8),
+                        label=np.zeros(64, np.int64))
+    data = bytearray((tmp_path / "train.npz").read_bytes())
+    data[60:80] = bytes(20)   # inside the first member's deflate stream
+    (tmp_path / "train.npz").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"train.npz: cannot be read as an npz file \((error|"
+                                         r"BadZipFile): "):
+        sources.open_local_split("cifar10", tmp_path, "train")
+    with gzip.open(tmp_path / "short-images-idx3-ubyte.gz", "wb") as f:
+        f.write((2051).to_bytes(4, "big") + bytes(2))
+    with pytest.raises(ValueError, match=r"short-images-idx3-ubyte.gz: 6 bytes, shorter than "
+                                         r"the IDX header \(16\)"):
+        sources.read_idx(tmp_path / "short-images-idx3-ubyte.gz", 2051)
 
 
 def test_image_folder_reads_16_bit_grey_and_names_an_undecodable_file(tmp_path):
@@ -603,4 +625,7 @@ def test_an_mnist_split_without_its_labels_file_names_it(shared_data, tmp_path):
     cfg.update(path=str(tmp_path), train_split="test")
     with pytest.raises(ValueError, match=r"data.train_split='test': no such split in .* \(no "
                                          r"t10k-labels-idx1-ubyte.gz\); it offers no splits"):
+        validate_data_config(cfg)
+    (tmp_path / "t10k-images-idx3-ubyte.gz").rename(tmp_path / "t10k-labels-idx1-ubyte.gz")
+    with pytest.raises(ValueError, match=r"\(no t10k-images-idx3-ubyte.gz\)"):
         validate_data_config(cfg)

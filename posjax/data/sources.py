@@ -143,7 +143,8 @@ def check_labels(labels: np.ndarray, num_classes: int, origin: str) -> None:
                          "fix the labels (or, for an npz folder, its 'classes')")
 
 
-_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")   # Pillow's 16-bit grey modes
+# Pillow's modes of a 16-bit grey PNG: "I;16*", or "I" (32-bit signed) in older Pillow.
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 def decode_rgb(path: str) -> np.ndarray:
@@ -156,7 +157,8 @@ def decode_rgb(path: str) -> np.ndarray:
             if image.mode not in _SIXTEEN_BIT_MODES:
                 return np.asarray(image.convert("RGB"), np.uint8)
             grey = np.asarray(image).astype(np.int64)
-    except (OSError, SyntaxError, ValueError) as e:   # Pillow's ways of saying "not decodable"
+    except (OSError, SyntaxError, ValueError,   # Pillow's ways of saying "not decodable",
+            Image.DecompressionBombError) as e:  # and "too large to decode safely"
         raise ValueError(f"{path}: cannot be decoded as an image ({type(e).__name__}: {e}); "
                          "replace or remove the file") from e
     if grey.min(initial=0) < 0 or grey.max(initial=0) > 65535:
@@ -221,6 +223,9 @@ def read_idx(path: pathlib.Path, magic: int) -> np.ndarray:
     if found != magic:
         raise ValueError(f"{path}: IDX magic number is {found}, expected {magic}")
     ndim = magic & 0xFF
+    if len(data) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: {len(data)} bytes, shorter than the IDX header "
+                         f"({4 + 4 * ndim}); download it again")
     shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
     body = np.frombuffer(data, np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(shape)):
@@ -244,36 +249,36 @@ def mnist_source(root: pathlib.Path, split: str) -> ArraySource:
 def npz_source(root: pathlib.Path, split: str) -> ArraySource:
     """``root/<split>.npz``; its classes are those of the whole folder (``npz_num_classes``)."""
     path = root / f"{split}.npz"
-    arrays = read_npz(path, "image", "label")
+    arrays = read_npz(path)
+    missing = {"image", "label"} - set(arrays)
+    if missing:
+        raise ValueError(f"{path} lacks keys {sorted(missing)} (has {sorted(arrays)}); it "
+                         "needs 'image' (N, H, W, C) uint8 and 'label' (N,)")
     images = arrays["image"][..., None] if arrays["image"].ndim == 3 else arrays["image"]
     return ArraySource(images, arrays["label"], npz_num_classes(root), origin=str(path))
 
 
-def read_npz(path: pathlib.Path, *keys: str) -> dict[str, np.ndarray]:
-    """Those of the arrays ``keys`` that the npz file ``path`` holds; one ValueError naming the
-    file when it cannot be read or lacks ``image`` or ``label``."""
+def read_npz(path: pathlib.Path, keys: tuple[str, ...] = ("image", "label", "classes")
+             ) -> dict[str, np.ndarray]:
+    """Those of the arrays ``keys`` that the npz file ``path`` holds; one ValueError naming
+    the file when it cannot be read."""
     try:
-        with np.load(path) as npz:
-            missing = {"image", "label"} - set(npz.files)
-            if missing:
-                raise ValueError(f"{path} lacks keys {sorted(missing)} (has {npz.files}); it "
-                                 "needs 'image' (N, H, W, C) uint8 and 'label' (N,)")
+        npz = np.load(path)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one array (.npy), not named arrays (.npz)")
+        with npz:
             return {k: npz[k] for k in keys if k in npz.files}
-    except (OSError, EOFError, zipfile.BadZipFile) as e:
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
         raise ValueError(f"{path}: cannot be read as an npz file ({type(e).__name__}: {e}); "
-                         "write it again with numpy.savez") from e
-    except ValueError as e:
-        if str(e).startswith(str(path)):
-            raise
-        raise ValueError(f"{path}: cannot be read as an npz file ({e}); write it again with "
-                         "numpy.savez, with numeric arrays only") from e
+                         "write it again with numpy.savez, numeric arrays only") from e
 
 
 def npz_num_classes(root: pathlib.Path) -> int:
     """The folder's class count, the same for all its splits (a split may lack some classes):
     the length of its ``classes`` (every file that has one must agree), else the largest
-    integer label of any ``<split>.npz`` plus 1."""
-    arrays = {p.name: read_npz(p, "label", "classes") for p in sorted(root.glob("*.npz"))}
+    integer label of any ``<split>.npz`` plus 1. Files without labels (other data kept in the
+    folder) do not count."""
+    arrays = {p.name: read_npz(p, ("label", "classes")) for p in sorted(root.glob("*.npz"))}
     named = {name: [str(c) for c in a["classes"]] for name, a in arrays.items() if "classes" in a}
     if named:
         lists = list(named.values())
@@ -283,7 +288,7 @@ def npz_num_classes(root: pathlib.Path) -> int:
                              + "); give every split the same list")
         return len(lists[0])
     return 1 + max((int(a["label"].max(initial=-1)) for a in arrays.values()
-                    if np.issubdtype(a["label"].dtype, np.integer)), default=-1)
+                    if "label" in a and np.issubdtype(a["label"].dtype, np.integer)), default=-1)
 
 
 # ----------------------------------------------------------------------------- image folder
