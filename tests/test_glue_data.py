@@ -159,7 +159,7 @@ def test_tsv_that_is_not_utf8_is_refused_with_its_line(glue_dir):
     head = ("sentence\tlabel\n" + "".join(f"fine sentence {i}\t1\n" for i in range(900))).encode()
     (glue_dir / "SST-2" / "train.tsv").write_bytes(head + b"caf\xe9 au lait\t1\n")
     at = len(head) + 3
-    with pytest.raises(ValueError, match=rf"SST-2/train.tsv': line 902, bytes {at}..{at + 1} "
+    with pytest.raises(ValueError, match=rf"SST-2/train.tsv: line 902, bytes {at}..{at + 1} "
                                          "are not valid UTF-8; convert the file to UTF-8"):
         glue.read_split(cfg_for("sst2", glue_dir), "train")
     # Lines end at \r too (as the reader counts them); offsets count a leading BOM.
@@ -267,9 +267,11 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
 
 
 def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path):
-    """A writer SIGKILLed mid-write leaves ``.<name>.<host>.<pid>.tmp``; the next write of that
-    file removes it, and keeps the one of a writer still at work and those of other files."""
+    """A writer SIGKILLed mid-write leaves ``.<name>.<host>.<pid namespace>.<pid>.tmp``; the
+    next write of that file removes it, and keeps the one of a writer still at work, of
+    another PID namespace, and those of other files."""
     import signal
+    import socket
     import subprocess
     import sys
     import time
@@ -287,9 +289,13 @@ def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path)
         for killed in (writers[0], writers[2]):
             killed.send_signal(signal.SIGKILL)
             killed.wait()
+        # A writer in another PID namespace (a container sharing the host name): its pid
+        # means nothing here, so its file is kept.
+        (tmp_path / f".a.json.{socket.gethostname()}.1.{writers[0].pid}.tmp").write_text("")
         write_text_atomically(tmp_path / "a.json", "{}\n")
         left = sorted(p.name.rsplit(".", 2)[-2] for p in tmp_path.glob(".*.tmp"))
-        assert left == sorted([str(writers[1].pid), str(writers[2].pid)])   # a's live, b's
+        assert left == sorted([str(writers[1].pid), str(writers[2].pid),
+                               str(writers[0].pid)])   # a's live, b's, a's other namespace
         assert (tmp_path / "a.json").read_text() == "{}\n"
     finally:
         for writer in writers:

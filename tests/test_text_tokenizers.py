@@ -132,6 +132,22 @@ def test_bert_vocab_is_read_as_the_library_reads_it(bert_vocab):
     assert tk.read_wordpiece_vocab(str(bert_vocab)) == models.WordPiece.read_file(str(bert_vocab))
 
 
+def test_vocab_lines_end_as_the_library_ends_them(tmp_path):
+    """Trailing Unicode white space is dropped (U+3000 too) but not the controls U+001C..U+001F
+    that Python's rstrip() would drop; blank lines after the last token are no tokens (two of
+    them were refused as a repeated '' token)."""
+    from tokenizers import models
+
+    lines = SPECIALS + "x\x1c\ny \u3000\r\nz\n"
+    (tmp_path / "lines.txt").write_text(lines, encoding="utf-8")
+    (tmp_path / "blank.txt").write_text(lines + "\n\n", encoding="utf-8")
+    ours = tk.read_wordpiece_vocab(str(tmp_path / "lines.txt"))
+    assert ours == models.WordPiece.read_file(str(tmp_path / "lines.txt"))
+    assert ours["x\x1c"] == 5 and ours["y"] == 6
+    assert tk.read_wordpiece_vocab(str(tmp_path / "blank.txt")) == ours
+    assert tk.load_tokenizer(tmp_path / "blank.txt").vocab_size == 8
+
+
 def test_vocab_with_a_repeated_token_is_refused(tmp_path):
     """The library keeps the last id of a repeated token and counts distinct tokens, so ids
     would reach past vocab_size (NaN embeddings); the file is refused instead."""

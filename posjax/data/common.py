@@ -160,10 +160,11 @@ def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) 
     ``path``: a crash leaves the old file or the new one, never a partial one. The file gets
     the usual permissions (0666 less the umask), readable by others on shared storage.
 
-    The temporary file is ``.<name>.<host>.<pid>.tmp``; those a killed writer on this host left
-    for the same ``path`` are removed first (a SIGKILL mid-write cannot clean up after itself).
+    The temporary file is ``.<name>.<host>.<pid namespace>.<pid>.tmp``; those a killed writer
+    of this host and PID namespace left for the same ``path`` are removed first (a SIGKILL
+    mid-write cannot clean up after itself).
     """
-    prefix = f".{path.name}.{socket.gethostname()}."
+    prefix = f".{path.name}.{_pid_space()}."
     _remove_abandoned(path.parent, prefix)
     tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")
     try:
@@ -172,6 +173,16 @@ def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _pid_space() -> str:
+    """Where a pid names one process: this host and PID namespace (containers sharing a host
+    name, with host networking, have PID namespaces of their own)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:   # not Linux
+        namespace = 0
+    return f"{socket.gethostname()}.{namespace}"
 
 
 def _remove_abandoned(folder: pathlib.Path, prefix: str) -> None:
@@ -195,6 +206,21 @@ def _process_exists(pid: int) -> bool:
 def write_text_atomically(path: pathlib.Path, text: str) -> None:
     """``text`` into ``path`` (UTF-8), atomically (``write_atomically``)."""
     write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def not_utf8_error(path: str | pathlib.Path, error: UnicodeDecodeError, *, offset: int = 0,
+                   data: bytes | None = None) -> ValueError:
+    """The one error for a file that is not UTF-8: ``path``, the bad bytes (``error``'s
+    offsets, plus ``offset`` when ``error`` decoded a piece of the file starting there) and,
+    given the whole file's ``data``, their line (lines end at \\n, \\r\\n or \\r)."""
+    start, end = offset + error.start, offset + error.end
+    where = ""
+    if data is not None:
+        before = data[:start]
+        line = len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
+        where = f"line {line}, "
+    return ValueError(f"{path}: {where}bytes {start}..{end} are not valid UTF-8; convert the "
+                      "file to UTF-8")
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -57,7 +57,8 @@ import numpy as np
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 pad_to_full_batches, stack_examples, write_text_atomically)
+                                 not_utf8_error, pad_to_full_batches, stack_examples,
+                                 write_text_atomically)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01
@@ -241,22 +242,13 @@ def _utf8_lines(file, path: pathlib.Path):
     """The lines of the open text ``file``; a byte that is not UTF-8 raises ValueError."""
     try:
         yield from file
-    except UnicodeDecodeError as e:  # its position is within a read chunk, not the file
-        raise ValueError(_not_utf8_message(path)) from e
-
-
-def _not_utf8_message(path: pathlib.Path) -> str:
-    """Names the line and bytes of the first byte of ``path`` that is not UTF-8 (lines counted
-    as the reader counts them: a line ends at \\n, \\r\\n or \\r)."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-        where = "some bytes are"  # the file changed since it was read
-    except UnicodeDecodeError as e:
-        before = data[:e.start]
-        line = len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
-        where = f"line {line}, bytes {e.start}..{e.end} are"
-    return f"GLUE file {str(path)!r}: {where} not valid UTF-8; convert the file to UTF-8"
+    except UnicodeDecodeError:  # its position is within a read chunk, not the file
+        data = path.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise not_utf8_error(path, e, data=data) from e
+        raise   # the file changed since it was read
 
 
 def _check_bad_rows(report: ReadReport, labelled: bool) -> None:

@@ -85,7 +85,7 @@ import numpy as np
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 stack_examples)
+                                 not_utf8_error, stack_examples)
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
 
 Example = dict[str, Any]
@@ -264,8 +264,7 @@ class TextFileSource:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{self.files[file_id]}: bytes {start + e.start}..{start + e.end} "
-                             "are not valid UTF-8; convert the file to UTF-8") from e
+            raise not_utf8_error(self.files[file_id], e, offset=start) from e
 
     def __repr__(self) -> str:
         return f"TextFileSource({len(self.files)} files, {len(self)} documents)"

@@ -40,6 +40,8 @@ from typing import Sequence
 
 import numpy as np
 
+from posjax.data.common import not_utf8_error
+
 SPECIAL_NAMES: dict[str, tuple[str, ...]] = {
     "pad": ("[PAD]", "<pad>"),
     "unk": ("[UNK]", "<unk>"),
@@ -173,22 +175,26 @@ def _from_hf(tokenizer, path: str) -> TextTokenizer:
     return TextTokenizer(tokenizer, path)
 
 
+# What the tokenizers library (Rust's char::is_whitespace) strips from the end of a vocab line:
+# Unicode White_Space. Python's str.rstrip() would also strip U+001C..U+001F.
+_WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
+                + "\u2028\u2029\u202f\u205f\u3000")
+
+
 def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
     """``{token: id}`` of a WordPiece ``vocab.txt``, parsed as the tokenizers library does (id =
-    line number, trailing whitespace dropped), after checks it lacks: the file must be UTF-8 (a
-    leading BOM is skipped) and hold each token once (a repeated token leaves its first id
-    unused, so ids would reach past the vocabulary size the library reports)."""
+    line number, trailing white space dropped), after checks it lacks: the file must be UTF-8
+    (a leading BOM is skipped) and hold each token once (a repeated token leaves its first id
+    unused, so ids would reach past the vocabulary size the library reports). Blank lines
+    after the last token are not tokens."""
     data = pathlib.Path(vocab_file).read_bytes()
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"WordPiece vocabulary {vocab_file}: line {line}, bytes {e.start}.."
-                         f"{e.end} are not valid UTF-8; convert the file to UTF-8") from e
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start a new one
-    tokens = [line.rstrip() for line in lines]
+        raise not_utf8_error(vocab_file, e, data=data) from e
+    tokens = [line.rstrip(_WHITE_SPACE) for line in text.split("\n")]
+    while tokens and not tokens[-1]:   # the final newline, blank lines after the last token
+        tokens.pop()
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) < len(tokens):
         raise ValueError(_duplicates_message(vocab_file, tokens))
