@@ -63,7 +63,8 @@ class SyntheticImages(ImageClassification):
         ds = ds.batch(global_batch, drop_remainder=True)
         start = shard_index * batch_size
         ds = ds.map(lambda b: _rows(b, start, batch_size))
-        return types.SimpleNamespace(iterator=iter(ds.to_iter_dataset()), num_examples=n)
+        ds = ds.to_iter_dataset()
+        return types.SimpleNamespace(iterator=iter(ds), dataset=ds, num_examples=n)
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:

@@ -553,6 +553,22 @@ def test_a_bad_test_split_is_refused_before_writing(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+def test_the_test_split_is_read_once_per_run(tmp_path, monkeypatch):
+    """Opened before anything is written, then each evaluation is a fresh pass over it (MLM
+    packs its whole test split when opened: that was done again at every evaluation)."""
+    opened = []
+    make = loop.Run.make_eval_pipeline
+    monkeypatch.setattr(loop.Run, "make_eval_pipeline",
+                        lambda self: (opened.append(1), make(self))[1])
+    config = syn.tiny_config(**{"num_steps": 4, "eval_every_steps": 1})
+    result = loop.train(config, tmp_path / "w")
+    evals = [r for r in metrics.read_metrics(tmp_path / "w" / "metrics.jsonl")
+             if r["split"] == "eval"]
+    assert opened == [1] and [r["step"] for r in evals] == [1, 2, 3, 4]
+    assert evals[-1]["num_examples"] == result.eval["num_examples"] > 0
+    assert loop.evaluate(config, tmp_path / "w") == {"step": 4, "split": "test", **result.eval}
+
+
 def test_init_from_summary_counts_and_shows_the_first_notes():
     notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(7)]
     notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import flax.linen as nn
 import jax
@@ -521,16 +521,14 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 # ----------------------------------------------------------------------------- evaluation
 
 
-def run_evaluation(run: Run, params: Any, eval_step, pipe: Any = None,
+def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str, np.ndarray]],
                    predictions_dir: pathlib.Path | None = None) -> dict[str, float]:
-    """One pass over the test split (``pipe``, default a fresh ``run.make_eval_pipeline()``);
-    per-example outputs gathered from every process, padded examples dropped, then
-    ``task.summarize`` (and ``task.write_predictions`` into ``predictions_dir`` when given, on
-    process 0)."""
-    pipe = run.make_eval_pipeline() if pipe is None else pipe
+    """One pass over the test split's ``batches`` (this process's); per-example outputs
+    gathered from every process, padded examples dropped, then ``task.summarize`` (and
+    ``task.write_predictions`` into ``predictions_dir`` when given, on process 0)."""
     collected: dict[str, list[np.ndarray]] = {}
-    with contextlib.closing(pipe.iterator):   # as in train: stops the input workers
-        for local in pipe.iterator:
+    with contextlib.closing(batches):   # as in train: stops the input workers
+        for local in batches:
             batch = global_batch(local, run.mesh)
             outputs = dict(eval_step(params, batch))
             outputs["__mask__"] = batch["mask"]
@@ -599,7 +597,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     state, step = _restore_for_eval(run, step, latest)
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
-        result = run_evaluation(run, state.params, eval_step, pipe,
+        result = run_evaluation(run, state.params, eval_step, pipe.iterator,
                                 run.workdir / "predictions" / f"step_{step}")
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
@@ -668,8 +666,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     with ckpt_lib.StopRequest() as stop:   # from the start: a SIGTERM during set-up is no crash
         run = prepare(config, workdir, training=True)
         # Data errors (and data that does not fit the model) before anything is written, in
-        # the test split too (else they would end the run at its first evaluation).
-        run.make_eval_pipeline().iterator.close()
+        # the test split too (else they would end the run at its first evaluation). The test
+        # split is read once: each evaluation is a fresh pass over its dataset.
+        test = run.make_eval_pipeline()
+        test.iterator.close()
         pipe = run.make_pipeline("train", config.batch_size, True)
         # Closing stops the input workers and frees the batches they had prefetched.
         with contextlib.closing(pipe.iterator):
@@ -684,7 +684,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                     config.checkpoint.async_save, stop=stop)
                 try:
-                    return _train(run, checkpointer, pipe.iterator, stop_after)
+                    return _train(run, checkpointer, pipe.iterator, test.dataset, stop_after)
                 finally:
                     checkpointer.close()
 
@@ -721,7 +721,7 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
 
 
 def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
-           stop_after: int | None) -> TrainResult:
+           test: Iterable[dict[str, np.ndarray]], stop_after: int | None) -> TrainResult:
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
@@ -770,7 +770,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             save()   # before a periodic eval: a stop during the eval then loses nothing
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
-                result = run_evaluation(run, state.params, eval_step)
+                result = run_evaluation(run, state.params, eval_step, iter(test))
                 writer.write(step, "eval", result)
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
@@ -787,7 +787,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
-            result = run_evaluation(run, state.params, eval_step)
+            result = run_evaluation(run, state.params, eval_step, iter(test))
         writer.write_once(step, "eval", result)
     writer.close()
     path = write_eval(run, step, result)

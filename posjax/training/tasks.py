@@ -109,7 +109,10 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
-                      shard_index: int, shard_count: int) -> Any: ...
+                      shard_index: int, shard_count: int) -> Any:
+        """This shard's batches of ``split`` ('train' or 'test'): an object with ``iterator``
+        (ready to iterate) and ``dataset`` (``iter(dataset)``: a fresh pass; evaluation makes
+        one per pass)."""
 
     @abc.abstractmethod
     def train_flops(self) -> flops.Flops: ...
