@@ -3,7 +3,8 @@
 Suites (default: all, in this order): throughput, attention, compile, pipelines. ``--smoke``
 runs every suite at tiny sizes (seconds; what CI runs); ``--gpu`` runs them at real sizes in
 bf16 on a GPU (with ``--smoke``: tiny sizes in bf16, anywhere). The tables go to stdout as
-Markdown and, with ``--out``, to a ``.md`` or ``.json`` file (rewritten after every suite).
+Markdown and, with ``--out``, to a ``.md`` or ``.json`` file (rewritten after every suite),
+with PNG plots beside it (``bench.plots``).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "install a CUDA build of torch (the pinned torch wheel is CPU-only)",
               file=sys.stderr)
         return 2
-    from bench import attention, compile_time, pipelines, throughput
+    from bench import attention, compile_time, pipelines, plots, throughput
     from bench.common import Budget, Scale, environment, load_average
 
     _set_torch_threads()
@@ -125,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_suite_markdown(entry, tables), flush=True)
         if args.out:
             _write(pathlib.Path(args.out), report)
+            plots.plot_report(report, pathlib.Path(args.out).with_suffix(""))
     if failed:
         print(f"suite(s) failed: {', '.join(failed)} (the others' results are complete)",
               file=sys.stderr)

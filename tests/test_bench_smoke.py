@@ -13,10 +13,15 @@ from bench.workloads import forward_flops, throughput_workloads
 
 
 @pytest.fixture(scope="module")
-def smoke_report(tmp_path_factory):
+def smoke_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "smoke.json"
     assert bench_run.main(["--smoke", "--out", str(out)]) == 0
-    return json.loads(out.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke_report(smoke_out):
+    return json.loads(smoke_out.read_text())
 
 
 def _table(report, suite, title_start):
@@ -50,6 +55,24 @@ def test_attention_variants_agree_and_memory_is_measured(smoke_report):
         assert all(v > 0 for v in row[1:1 + len(VARIANTS)])
     timing = _table(smoke_report, "attention", "Disentangled attention: forward")
     assert any("max |Δ|" in n for n in timing["notes"])
+
+
+def test_plots_are_drawn_beside_the_report_and_again_from_it(smoke_out, tmp_path, capsys):
+    from PIL import Image
+    from bench import plots
+    drawn = sorted(p.name for p in smoke_out.parent.glob("*.png"))
+    assert drawn == ["smoke_attention.png", "smoke_throughput.png"]
+    for name in drawn:
+        with Image.open(smoke_out.parent / name) as image:
+            assert image.format == "PNG" and image.size[0] >= 700
+    assert plots.main([str(smoke_out), "--stem", str(tmp_path / "again")]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["again_attention.png",
+                                                               "again_throughput.png"]
+    report = json.loads(smoke_out.read_text())
+    report["suites"] = [e for e in report["suites"] if e["suite"] == "compile"]
+    (tmp_path / "compile_only.json").write_text(json.dumps(report))
+    assert plots.main([str(tmp_path / "compile_only.json")]) == 1
+    assert "no throughput or attention tables to plot" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("length", [6, 12])
