@@ -17,6 +17,7 @@ import argparse
 import json
 import pathlib
 import sys
+import textwrap
 from typing import Any, Sequence
 
 if __package__ in (None, ""):   # `python bench/plots.py`
@@ -54,7 +55,7 @@ def plot_speedup(table: dict[str, Any], path: pathlib.Path, subtitle: str) -> pa
     ranges = [tuple(float(x) for x in r.split("–")) for r in _column(table, "range")]
     low = [s - lo for s, (lo, _) in zip(speedups, ranges)]
     high = [hi - s for s, (_, hi) in zip(speedups, ranges)]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
     bars = ax.bar(models, speedups, yerr=[low, high], capsize=6, color="#4c72b0",
                   label="ours / HF (median; whiskers: min–max over rounds)")
     ax.bar_label(bars, labels=[f"{s:.2f}×" for s in speedups], label_type="center",
@@ -63,7 +64,7 @@ def plot_speedup(table: dict[str, Any], path: pathlib.Path, subtitle: str) -> pa
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylim(0, max(1.3, *(hi for _, hi in ranges)) + 0.35)
     ax.set_ylabel("train-step speed-up over HF PyTorch")
-    ax.set_title(f"Train-step throughput, ours vs Hugging Face\n{subtitle}", fontsize=10)
+    ax.set_title(f"Train-step throughput, ours vs Hugging Face\n{subtitle}", fontsize=9)
     ax.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
@@ -110,7 +111,9 @@ def plot_attention(times: dict[str, Any], memory: dict[str, Any], path: pathlib.
 def plot_report(report: dict[str, Any], stem: pathlib.Path) -> list[pathlib.Path]:
     """Every plot the report has the tables for, as ``<stem>_<suite>.png``."""
     env = report.get("environment", {})
-    subtitle = f"{env.get('date', '')}, {env.get('backend', '')}, `{report.get('command', '')}`"
+    machine = ", ".join(f"{env[k]}{suffix}" for k, suffix in (
+        ("date", ""), ("cpu_model", ""), ("cores", " cores"), ("backend", "")) if k in env)
+    subtitle = "\n".join(textwrap.wrap(f"{machine}; {report.get('command', '')}", 90))
     written = []
     speedup = _table(report, SPEEDUP_TITLE)
     if speedup is not None:
