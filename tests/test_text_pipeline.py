@@ -219,11 +219,18 @@ def test_bad_config(wikitext_cfg, tmp_path):
     with pytest.raises(ValueError, match="matches no file") as e:
         text.make_mlm_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
     assert str(e.value).count("matches no file") == 1     # one file, named once
+    # A bad byte is found when the files are opened (for their document spans), not when its
+    # document is first drawn, maybe hours into training; and it is named by line.
     bad = tmp_path / "latin1.txt"
-    bad.write_bytes("caf\xe9 ok\n".encode("latin-1"))
+    bad.write_bytes("ok\n\ncaf\xe9 ok\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{bad}: line 3, bytes 7..8 are not valid UTF-8; "
+                                         r"convert the file to UTF-8$"):
+        text.TextFileSource([str(bad)])
+    bad.write_bytes(b"ok\n\ncafe ok\n")
     source = text.TextFileSource([str(bad)])
-    with pytest.raises(ValueError, match="not valid UTF-8"):
-        source[0]
+    bad.write_bytes("ok\n\ncaf\xe9 ok\n".encode("latin-1"))   # changed since it was opened
+    with pytest.raises(ValueError, match=rf"^{bad}: bytes 7..8 are not valid UTF-8"):
+        source[1]
 
 
 def test_config_checks_keys_and_that_tfds_opens_both_splits(wikitext_cfg, tmp_path):

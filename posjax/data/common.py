@@ -209,18 +209,19 @@ def write_text_atomically(path: pathlib.Path, text: str) -> None:
 
 
 def not_utf8_error(path: str | pathlib.Path, error: UnicodeDecodeError, *, offset: int = 0,
-                   data: bytes | None = None) -> ValueError:
+                   line: int | None = None) -> ValueError:
     """The one error for a file that is not UTF-8: ``path``, the bad bytes (``error``'s
-    offsets, plus ``offset`` when ``error`` decoded a piece of the file starting there) and,
-    given the whole file's ``data``, their line (lines end at \\n, \\r\\n or \\r)."""
-    start, end = offset + error.start, offset + error.end
-    where = ""
-    if data is not None:
-        before = data[:start]
-        line = len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
-        where = f"line {line}, "
-    return ValueError(f"{path}: {where}bytes {start}..{end} are not valid UTF-8; convert the "
-                      "file to UTF-8")
+    offsets, plus ``offset`` when ``error`` decoded a piece of the file starting there) and
+    their ``line`` when known (``line_at``)."""
+    where = f"line {line}, " if line is not None else ""
+    return ValueError(f"{path}: {where}bytes {offset + error.start}..{offset + error.end} are "
+                      "not valid UTF-8; convert the file to UTF-8")
+
+
+def line_at(data: bytes, offset: int) -> int:
+    """The line (from 1) holding byte ``offset`` of ``data``; lines end at \\n, \\r\\n or \\r."""
+    before = data[:offset]
+    return len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
 
 
 def ceil_div(a: int, b: int) -> int:

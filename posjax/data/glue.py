@@ -57,7 +57,7 @@ import numpy as np
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 not_utf8_error, pad_to_full_batches, stack_examples,
+                                 line_at, not_utf8_error, pad_to_full_batches, stack_examples,
                                  write_text_atomically)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
@@ -247,7 +247,7 @@ def _utf8_lines(file, path: pathlib.Path):
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise not_utf8_error(path, e, data=data) from e
+            raise not_utf8_error(path, e, line=line_at(data, e.start)) from e
         raise   # the file changed since it was read
 
 

@@ -77,7 +77,7 @@ import glob
 import math
 import os
 import pathlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import grain
 import ml_collections
@@ -238,10 +238,25 @@ def document_spans(lines: Iterable[bytes], boundary: str) -> np.ndarray:
     return np.asarray(spans, np.int64).reshape(-1, 2)
 
 
+def _utf8_lines(lines: Iterable[bytes], path: str) -> Iterator[bytes]:
+    """``lines`` as they are; a line that is not UTF-8 raises ValueError naming it (no UTF-8
+    character holds a newline byte, so lines decode on their own)."""
+    offset = 0
+    for number, line in enumerate(lines, 1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise not_utf8_error(path, e, offset=offset, line=number) from e
+        offset += len(line)
+        yield line
+
+
 class TextFileSource:
     """Random access to the documents of plain-text files (UTF-8), read lazily by byte span.
 
-    Only the spans are held in memory (16 bytes per document); ``source[i]`` is a str.
+    Only the spans are held in memory (16 bytes per document); ``source[i]`` is a str. Opening
+    reads every file once (for the spans) and checks that it is UTF-8, so that a bad byte deep
+    in a corpus is reported before training, not when its document is first drawn.
     """
 
     def __init__(self, files: Sequence[str], boundary: str = "blank_line"):
@@ -249,7 +264,7 @@ class TextFileSource:
         per_file = []
         for i, f in enumerate(self.files):
             with open(f, "rb") as fh:
-                spans = document_spans(fh, boundary)
+                spans = document_spans(_utf8_lines(fh, f), boundary)
             per_file.append(np.concatenate([np.full((len(spans), 1), i, np.int64), spans], 1))
         self._docs = np.concatenate(per_file) if per_file else np.zeros((0, 3), np.int64)
 

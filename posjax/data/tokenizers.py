@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from posjax.data.common import not_utf8_error
+from posjax.data.common import line_at, not_utf8_error
 
 SPECIAL_NAMES: dict[str, tuple[str, ...]] = {
     "pad": ("[PAD]", "<pad>"),
@@ -191,7 +191,7 @@ def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
-        raise not_utf8_error(vocab_file, e, data=data) from e
+        raise not_utf8_error(vocab_file, e, line=line_at(data, e.start)) from e
     tokens = [line.rstrip(_WHITE_SPACE) for line in text.split("\n")]
     while tokens and not tokens[-1]:   # the final newline, blank lines after the last token
         tokens.pop()
