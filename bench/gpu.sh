@@ -6,7 +6,8 @@
 #   bench/gpu.sh [OUT.md] [BUDGET_SECONDS]
 #
 # Needs a CUDA build of jax (pip install "jax[cuda12]==<the pinned jax version>") and of torch
-# on the GPU machine. Paste the tables from OUT.md into BENCHMARKS.md ("GPU" section).
+# on the GPU machine. Paste the tables from OUT.md into BENCHMARKS.md ("GPU" section), with
+# the plots drawn beside it (OUT_throughput.png, OUT_attention.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-gpu-results.md}"
