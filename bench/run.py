@@ -126,7 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_suite_markdown(entry, tables), flush=True)
         if args.out:
             _write(pathlib.Path(args.out), report)
-            plots.plot_report(report, pathlib.Path(args.out).with_suffix(""))
+            try:
+                plots.plot_report(report, pathlib.Path(args.out).with_suffix(""))
+            except Exception as e:   # e.g. no matplotlib: the tables are what counts
+                print(f"plots not drawn: {one_line_error(e)}", file=sys.stderr)
     if failed:
         print(f"suite(s) failed: {', '.join(failed)} (the others' results are complete)",
               file=sys.stderr)

@@ -15,6 +15,7 @@ from bench.common import (Budget, Scale, Table, measure_peak_flops, median, medi
                           one_line_error, ratio_range, timed)
 from bench.workloads import HFTrainer, OursTrainer, Workload, throughput_workloads, train_flops
 
+SPEEDUP_TITLE = "Train-step throughput: ours vs Hugging Face"
 TARGET_SPEEDUP = 1.3       # ours must train >= 1.3x faster than HF (CPU, fp32)
 TARGET_TUPE = 1.05         # TUPE-R step time <= 1.05x BERT-A
 
@@ -151,7 +152,7 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
     if skipped:
         notes.append(f"Not measured (time budget spent): {', '.join(skipped)}.")
     notes += [f"Failed: {f}" for f in failures]
-    return Table("Train-step throughput: ours vs Hugging Face",
+    return Table(SPEEDUP_TITLE,
                  ["model", "HF counterpart", "batch × tokens", "params ours / HF",
                   "ours ms/step", "HF ms/step", "ours ex/s", "HF ex/s", "speed-up", "range",
                   "rounds", "≥ 1.3×"], rows, notes)

@@ -495,7 +495,7 @@ def test_npz_labels_must_be_class_indices_of_the_folder(tmp_path):
     np.savez(tmp_path / "mean_std.npz", mean=np.zeros(3), std=np.ones(3))   # not a split
     assert sources.open_local_split("cifar10", tmp_path, "train").num_classes == 4
     with pytest.raises(ValueError, match=r"mean_std.npz lacks keys \['image', 'label'\] \(has "
-                                         r"\[\]\)"):
+                                         r"\['mean', 'std'\]\)"):
         sources.open_local_split("cifar10", tmp_path, "mean_std")
     for labels, message in (([[0], [1]], r"labels must be one integer class index per "
                                          r"example, shape \(N,\); got int64\(2, 1\) \(for \(N, "

@@ -270,6 +270,7 @@ def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path)
     """A writer SIGKILLed mid-write leaves ``.<name>.<host>.<pid namespace>.<pid>.tmp``; the
     next write of that file removes it, and keeps the one of a writer still at work, of
     another PID namespace, and those of other files."""
+    import os
     import signal
     import socket
     import subprocess
@@ -291,7 +292,9 @@ def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path)
             killed.wait()
         # A writer in another PID namespace (a container sharing the host name): its pid
         # means nothing here, so its file is kept.
-        (tmp_path / f".a.json.{socket.gethostname()}.1.{writers[0].pid}.tmp").write_text("")
+        host, ours = socket.gethostname(), os.stat("/proc/self/ns/pid").st_ino
+        (tmp_path / f".a.json.{host}.1.{writers[0].pid}.tmp").write_text("")
+        (tmp_path / f".a.json.{host}.{ours}.{writers[2].pid}.tmp").write_text("")   # ours: gone
         write_text_atomically(tmp_path / "a.json", "{}\n")
         left = sorted(p.name.rsplit(".", 2)[-2] for p in tmp_path.glob(".*.tmp"))
         assert left == sorted([str(writers[1].pid), str(writers[2].pid),
@@ -301,3 +304,16 @@ def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path)
         for writer in writers:
             writer.kill()
             writer.wait()
+
+
+def test_tsv_that_changes_while_it_is_read_is_one_error(tmp_path):
+    """A decode error the file no longer shows when read again (it changed meanwhile) is still
+    one ValueError naming the file, not the decoder's bare error."""
+    path = tmp_path / "train.tsv"
+    path.write_text("sentence\tlabel\nfine\t1\n", encoding="utf-8")
+
+    def lines_then_bad_byte():
+        yield "sentence\tlabel\n"
+        raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+    with pytest.raises(ValueError, match=rf"^{path}: was not valid UTF-8 while it was read"):
+        list(glue._utf8_lines(lines_then_bad_byte(), path))

@@ -186,7 +186,8 @@ def _pid_space() -> str:
 
 
 def _remove_abandoned(folder: pathlib.Path, prefix: str) -> None:
-    """Remove ``folder/<prefix><pid>.tmp`` files whose writer (a process of this host) is gone."""
+    """Remove ``folder/<prefix><pid>.tmp`` files whose writer is gone (``prefix`` names this
+    host and PID namespace, where the pid means one process)."""
     for tmp in folder.glob(glob.escape(prefix) + "*.tmp"):
         pid = tmp.name[len(prefix):-len(".tmp")]
         if pid.isdigit() and not _process_exists(int(pid)):

@@ -242,13 +242,14 @@ def _utf8_lines(file, path: pathlib.Path):
     """The lines of the open text ``file``; a byte that is not UTF-8 raises ValueError."""
     try:
         yield from file
-    except UnicodeDecodeError:  # its position is within a read chunk, not the file
+    except UnicodeDecodeError as chunk_error:  # its position is within a read chunk
         data = path.read_bytes()
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise not_utf8_error(path, e, line=line_at(data, e.start)) from e
-        raise   # the file changed since it was read
+        raise ValueError(f"{path}: was not valid UTF-8 while it was read (it has changed since); "
+                         "read it again, and convert it to UTF-8 if it is not") from chunk_error
 
 
 def _check_bad_rows(report: ReadReport, labelled: bool) -> None:

@@ -249,28 +249,30 @@ def mnist_source(root: pathlib.Path, split: str) -> ArraySource:
 def npz_source(root: pathlib.Path, split: str) -> ArraySource:
     """``root/<split>.npz``; its classes are those of the whole folder (``npz_num_classes``)."""
     path = root / f"{split}.npz"
-    arrays = read_npz(path)
-    missing = {"image", "label"} - set(arrays)
-    if missing:
-        raise ValueError(f"{path} lacks keys {sorted(missing)} (has {sorted(arrays)}); it "
-                         "needs 'image' (N, H, W, C) uint8 and 'label' (N,)")
+    arrays = read_npz(path, ("image", "label"), required=("image", "label"))
     images = arrays["image"][..., None] if arrays["image"].ndim == 3 else arrays["image"]
     return ArraySource(images, arrays["label"], npz_num_classes(root), origin=str(path))
 
 
-def read_npz(path: pathlib.Path, keys: tuple[str, ...] = ("image", "label", "classes")
+def read_npz(path: pathlib.Path, keys: tuple[str, ...], required: tuple[str, ...] = ()
              ) -> dict[str, np.ndarray]:
     """Those of the arrays ``keys`` that the npz file ``path`` holds; one ValueError naming
-    the file when it cannot be read."""
+    the file when it cannot be read or lacks one of ``required``."""
     try:
         npz = np.load(path)
         if not isinstance(npz, np.lib.npyio.NpzFile):
             raise ValueError("it holds one array (.npy), not named arrays (.npz)")
         with npz:
-            return {k: npz[k] for k in keys if k in npz.files}
+            missing = sorted(set(required) - set(npz.files))
+            arrays = {} if missing else {k: npz[k] for k in keys if k in npz.files}
+            names = list(npz.files)
     except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
         raise ValueError(f"{path}: cannot be read as an npz file ({type(e).__name__}: {e}); "
                          "write it again with numpy.savez, numeric arrays only") from e
+    if missing:
+        raise ValueError(f"{path} lacks keys {missing} (has {names}); it needs 'image' "
+                         "(N, H, W, C) uint8 and 'label' (N,)")
+    return arrays
 
 
 def npz_num_classes(root: pathlib.Path) -> int:

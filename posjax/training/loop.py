@@ -523,9 +523,10 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 
 def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str, np.ndarray]],
                    predictions_dir: pathlib.Path | None = None) -> dict[str, float]:
-    """One pass over the test split's ``batches`` (this process's); per-example outputs
-    gathered from every process, padded examples dropped, then ``task.summarize`` (and
-    ``task.write_predictions`` into ``predictions_dir`` when given, on process 0)."""
+    """One pass over the test split's ``batches`` (this process's; a grain iterator, closed at
+    the end to stop its input workers); per-example outputs gathered from every process, padded
+    examples dropped, then ``task.summarize`` (and ``task.write_predictions`` into
+    ``predictions_dir`` when given, on process 0)."""
     collected: dict[str, list[np.ndarray]] = {}
     with contextlib.closing(batches):   # as in train: stops the input workers
         for local in batches:

@@ -35,7 +35,9 @@ with ``@register_task``, and implement:
 ``make_pipeline(split, batch_size, seed, train, shard_index, shard_count)``
     The input pipeline: an object with ``.iterator`` (checkpointable grain iterator yielding
     numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
-    with the last batch padded, ``mask`` False) and ``.num_examples``.
+    with the last batch padded, ``mask`` False), ``.dataset`` (the grain IterDataset behind it:
+    ``iter(dataset)`` is a fresh pass, as a closable grain iterator; training evaluates the
+    test split that way, opened once) and ``.num_examples``.
 ``train_flops() -> flops.Flops``
     Analytic forward+backward model FLOPs (for MFU), see ``flops.py``: per example, plus the
     per-step work on shared position tables; a step of B examples costs ``.total(B)``.
@@ -110,9 +112,8 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def make_pipeline(self, split: str, batch_size: int, seed: int, train: bool,
                       shard_index: int, shard_count: int) -> Any:
-        """This shard's batches of ``split`` ('train' or 'test'): an object with ``iterator``
-        (ready to iterate) and ``dataset`` (``iter(dataset)``: a fresh pass; evaluation makes
-        one per pass)."""
+        """This shard's batches of ``split`` ('train' or 'test'): ``.iterator``, ``.dataset``,
+        ``.num_examples`` (module docstring)."""
 
     @abc.abstractmethod
     def train_flops(self) -> flops.Flops: ...
