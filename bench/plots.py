@@ -25,7 +25,7 @@ if __package__ in (None, ""):   # `python bench/plots.py`
 
 from bench.attention import MEMORY_TITLE, TIME_TITLE  # noqa: E402
 from bench.throughput import SPEEDUP_TITLE, TARGET_SPEEDUP  # noqa: E402
-from posjax.plots import save_figure  # noqa: E402
+from posjax.plots import pyplot, save_figure  # noqa: E402
 
 STYLES = {"take": "o-", "onehot": "s-", "shift": "^-", "skew": "v-", "naive": "x--"}
 
@@ -46,9 +46,7 @@ def _column(table: dict[str, Any], name: str) -> list[Any]:
 def plot_speedup(table: dict[str, Any], path: pathlib.Path, subtitle: str) -> pathlib.Path:
     """Bars of the median ours/HF speed-up per model, whiskers at the round min–max, a line at
     the target."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models, speedups = _column(table, "model"), _column(table, "speed-up")
     ranges = [tuple(float(x) for x in r.split("–")) for r in _column(table, "range")]
@@ -73,9 +71,7 @@ def plot_speedup(table: dict[str, Any], path: pathlib.Path, subtitle: str) -> pa
 def plot_attention(times: dict[str, Any], memory: dict[str, Any], path: pathlib.Path,
                    subtitle: str) -> pathlib.Path:
     """Time and scratch memory against L, log–log, one line per implementation."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, table, unit in ((ax_time, times, "ms"), (ax_mem, memory, "MiB")):

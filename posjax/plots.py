@@ -11,6 +11,14 @@ import numpy as np
 from posjax.data.common import write_atomically
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (no display needed; imported on use)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def attention_maps(model: nn.Module, variables: Any, *args: Any, **kwargs: Any) -> list[np.ndarray]:
     """Every attention module's weights, in call order: a list of (B, h, Lq, Lk) arrays.
 
@@ -64,9 +72,7 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
 
     Rows are labelled ``row_labels`` (``attention_labels(model, len(maps))``), by default
     'layer k'."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if not maps:
         raise ValueError("maps is empty: the model sowed no attention weights")
@@ -102,10 +108,8 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
 def save_figure(fig: Any, path: pathlib.Path) -> None:
     """Matplotlib figure ``fig`` into ``path`` (format from its suffix, 100 dpi), atomically:
     a crash mid-write leaves the previous file, not a truncated image. Closes ``fig``."""
-    import matplotlib.pyplot as plt
-
     try:
         write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100,
                                                        format=path.suffix[1:] or "png"))
     finally:
-        plt.close(fig)
+        pyplot().close(fig)

@@ -251,11 +251,9 @@ def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
     train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and "loss" in r]
     if not train:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from posjax.plots import pyplot, save_figure
 
-    from posjax.plots import save_figure
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*train), label="train loss", color="tab:blue")
