@@ -5,12 +5,16 @@
 #
 #   bench/gpu.sh [OUT.md] [BUDGET_SECONDS]
 #
-# Needs a CUDA build of jax (pip install "jax[cuda12]==<the pinned jax version>") and of torch
-# on the GPU machine. Paste the tables from OUT.md into BENCHMARKS.md ("GPU" section), with
-# the plots drawn beside it (OUT_throughput.png, OUT_attention.png).
+# Needs CUDA builds of jax (pip install "jax[cuda12]==<the pinned jax version>") and torch on
+# the GPU machine, with the rest of requirements.txt. An ML image that already has CUDA jax,
+# torch, transformers, flax, optax and orbax lacks only grain, array-record, portpicker and
+# ml-collections for this suite (BENCHMARKS.md, "GPU": installing them on a host without
+# internet). Paste the tables from OUT.md into BENCHMARKS.md ("GPU" section), with the plots
+# drawn beside it (OUT_throughput.png, OUT_attention.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-gpu-results.md}"
 budget="${2:-600}"
+python=$(command -v python || command -v python3)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec python -m bench --gpu --budget "$budget" --out "$out"
+exec "$python" -m bench --gpu --budget "$budget" --out "$out"

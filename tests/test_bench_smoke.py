@@ -2,6 +2,7 @@
 numbers; bad command lines fail before anything runs."""
 import json
 import math
+import pathlib
 import time
 
 import pytest
@@ -138,6 +139,26 @@ def test_xla_options_parse_to_compile_options():
 def test_gpu_mode_without_gpu_says_how_to_fix(capsys):
     assert bench_run.main(["--gpu", "compile"]) == 2
     assert "--smoke" in capsys.readouterr().err
+
+
+def test_gpu_script_runs_where_python_is_python3(tmp_path):
+    """bench/gpu.sh on a host whose interpreter is only ``python3`` (no ``python``, no
+    nvidia-smi): it reaches the suite, which here says that JAX has no GPU."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "python3").symlink_to(sys.executable)
+    for tool in ("bash", "dirname"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out.md"), "5"],
+                          env={**os.environ, "PATH": str(tools)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "--gpu needs a GPU" in done.stderr
 
 
 def test_gpu_mode_refuses_a_cpu_only_torch(monkeypatch, capsys):
