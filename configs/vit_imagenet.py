@@ -10,9 +10,9 @@ Variant string ``<model>[,<mode>]``:
   checkpoint on ImageNet-1k at 384 px).
 
 Pre-training (paper §4.1, Table 3 / App. B.1): Adam β1 0.9, β2 0.999, batch 4096, 10k linear
-warmup then linear decay, weight decay 0.3 (ImageNet-1k, 300 epochs) or 0.03 (ImageNet-21k,
-90 epochs; 0.1 for H), lr 3e-3 / 1e-3, 224 px, dropout 0.1 on ImageNet-1k, a pre-logits
-(representation) layer, [CLS] pooling.
+warmup (CIFAR: a tenth of its 3662 steps) then linear decay, weight decay 0.3 (ImageNet-1k,
+300 epochs) or 0.03 (ImageNet-21k, 90 epochs; 0.1 for H), lr 3e-3 / 1e-3, 224 px, dropout 0.1
+on ImageNet-1k, a pre-logits (representation) layer, [CLS] pooling.
 Fine-tuning (App. B.1.1): SGD momentum 0.9, batch 512, cosine decay, no weight decay, global
 gradient-norm clipping at 1, 384 px (518 px for /14 patches); the pre-trained 224 px position
 table is resampled (bilinear) to the new grid when ``init_from`` is loaded, and the head is
@@ -98,5 +98,7 @@ def get_config(variant: str = "b16"):
         config.data.update(tfds_name="cifar10", test_split="test")
         config.model.update(num_classes=10)
         config.num_steps = 300 * CIFAR_TRAIN // 4096
-        config.optimizer.update(learning_rate=3e-3, weight_decay=0.3)
+        # 3662 steps in all: warm up for a tenth of them, as 10k of ImageNet's 93.8k steps.
+        config.optimizer.update(learning_rate=3e-3, weight_decay=0.3,
+                                warmup_steps=config.num_steps // 10)
     return config
