@@ -1,7 +1,7 @@
 """MLM pretraining of BERT-R (BERT-A + T5 relative bias).
 
     python train.py --config configs/mlm_bert_r.py:tiny --workdir runs/mlm_bert_r_tiny   # CPU, WikiText-2
-    python train.py --config configs/mlm_bert_r.py --workdir gs://.../mlm_bert_r            # base, seq 128
+    python train.py --config configs/mlm_bert_r.py --workdir /shared/mlm_bert_r             # base, seq 128
     python train.py --config configs/mlm_bert_r.py:seq512 --workdir ...                 # base, seq 512
 
 Recipes: posjax/training/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear

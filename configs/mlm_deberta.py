@@ -1,7 +1,7 @@
 """MLM pretraining of DeBERTa (disentangled attention, enhanced mask decoder).
 
     python train.py --config configs/mlm_deberta.py:tiny --workdir runs/mlm_deberta_tiny   # CPU, WikiText-2
-    python train.py --config configs/mlm_deberta.py --workdir gs://.../mlm_deberta            # base, seq 128
+    python train.py --config configs/mlm_deberta.py --workdir /shared/mlm_deberta             # base, seq 128
     python train.py --config configs/mlm_deberta.py:seq512 --workdir ...                 # base, seq 512
 
 Recipes: posjax/training/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear

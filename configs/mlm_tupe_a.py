@@ -1,7 +1,7 @@
 """MLM pretraining of TUPE-A (untied positional attention, untied [CLS]).
 
     python train.py --config configs/mlm_tupe_a.py:tiny --workdir runs/mlm_tupe_a_tiny   # CPU, WikiText-2
-    python train.py --config configs/mlm_tupe_a.py --workdir gs://.../mlm_tupe_a            # base, seq 128
+    python train.py --config configs/mlm_tupe_a.py --workdir /shared/mlm_tupe_a             # base, seq 128
     python train.py --config configs/mlm_tupe_a.py:seq512 --workdir ...                 # base, seq 512
 
 Recipes: posjax/training/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear

@@ -1,7 +1,7 @@
 """MLM pretraining of TUPE-R (TUPE-A + T5 relative bias).
 
     python train.py --config configs/mlm_tupe_r.py:tiny --workdir runs/mlm_tupe_r_tiny   # CPU, WikiText-2
-    python train.py --config configs/mlm_tupe_r.py --workdir gs://.../mlm_tupe_r            # base, seq 128
+    python train.py --config configs/mlm_tupe_r.py --workdir /shared/mlm_tupe_r             # base, seq 128
     python train.py --config configs/mlm_tupe_r.py:seq512 --workdir ...                 # base, seq 512
 
 Recipes: posjax/training/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear

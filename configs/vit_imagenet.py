@@ -18,7 +18,7 @@ gradient-norm clipping at 1, 384 px (518 px for /14 patches); the pre-trained 22
 table is resampled (bilinear) to the new grid when ``init_from`` is loaded, and the head is
 re-initialised (zero) for the new classes; no pre-logits layer.
 
-    python train.py --config configs/vit_imagenet.py:b16 --workdir gs://bucket/b16 \\
+    python train.py --config configs/vit_imagenet.py:b16 --workdir /shared/runs/b16 \\
         --config.data.data_dir=/path/to/tfds
     python train.py --config configs/vit_imagenet.py:b16,finetune --workdir ... \\
         --config.init_from=/path/to/converted_b16

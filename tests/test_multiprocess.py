@@ -57,11 +57,12 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
            sigterm_to: tuple[int, ...] = (), after_step: int = 0,
            extra_flags: dict[int, list[str]] | None = None,
            config: str = "configs/vit_digits.py:tiny",
-           overrides: dict | None = None) -> list[tuple[str, int]]:
+           overrides: dict | None = None,
+           python_args: tuple[str, ...] = ()) -> list[tuple[str, int]]:
     """Run train.py ``config`` with ``overrides`` (default OVERRIDES) as 2 processes
-    (``extra_flags``: more flags for some of them); with ``sigterm_to``, send SIGTERM to those
-    processes once process 0 reports ``after_step``. Returns [(output, exit status)] per
-    process."""
+    (``extra_flags``: more flags for some of them; ``python_args``: before ``train.py``);
+    with ``sigterm_to``, send SIGTERM to those processes once process 0 reports
+    ``after_step``. Returns [(output, exit status)] per process."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -71,7 +72,7 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
     for i, log in enumerate(logs):
         with log.open("w") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "train.py", "--config", config, *flags,
+                [sys.executable, *python_args, "train.py", "--config", config, *flags,
                  f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                  f"--config.distributed.process_id={i}", f"--workdir={workdir}",
                  *(extra_flags or {}).get(i, [])],

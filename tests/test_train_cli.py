@@ -68,6 +68,35 @@ def test_bad_input_exits_with_one_message(tmp_path):
     assert not workdir.exists()
 
 
+def test_a_bucket_url_is_refused_before_anything_is_written(tmp_path):
+    """pathlib made ``--workdir gs://b/x`` a local folder ``gs:/b/x``: the run trained there
+    until its first save failed in TensorStore. Now a URL is one error for train.py, eval.py,
+    init_from and the converter, and nothing is created."""
+    url = "gs://bucket/run"
+    advice = ("is a URL, but posjax opens its folders through the file system (a workdir needs "
+              "file locks and atomic renames): give a local path, or on several hosts a shared "
+              "file system every host mounts (NFS, Filestore)")
+    env = {**_env(), "PYTHONPATH": str(ROOT)}   # run from tmp_path, where nothing may appear
+    tiny = ["--config", f"{ROOT / 'configs' / 'vit_digits.py'}:tiny"]
+    runs = {
+        "--workdir": [sys.executable, str(ROOT / "train.py"), *tiny, f"--workdir={url}"],
+        "init_from": [sys.executable, str(ROOT / "train.py"), *tiny, "--workdir=run",
+                      f"--config.init_from={url}"],
+        "--to": [sys.executable, "-m", "posjax.convert", "--from", str(tmp_path), "--to", url],
+    }
+    for field, command in runs.items():
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == f"error: {field}='{url}' {advice}"
+    evaluation = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"--workdir={url}"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=180)
+    assert evaluation.returncode == 1 and evaluation.stderr.strip().endswith(
+        f"--workdir='{url}' {advice}"), evaluation.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
     workdir = tmp_path / "run"
     args = ["train.py", *TINY, "--config.num_steps=200", "--config.log_every_steps=10",
@@ -366,6 +395,22 @@ def test_a_save_that_fails_for_lack_of_space_is_one_error_naming_the_step(tmp_pa
     assert last.endswith("The checkpoints saved before are intact (the latest: step 2); fix the "
                          "storage, then start this run again to resume from there"), last
     assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+
+
+def test_a_metrics_log_that_cannot_be_written_is_one_error(tmp_path):
+    """Files capped at 8 KiB: the metrics log fills first. Before, the run ended in a traceback
+    from TensorBoard's writer, and its thread and its flush at exit printed two more; now it
+    is one error naming the files."""
+    workdir = tmp_path / "run"
+    done = _run("-c", FILES_CAPPED, "train.py", *TINY, "--config.num_steps=80",
+                "--config.log_every_steps=1", "--config.checkpoint.every_steps=1000",
+                f"--workdir={workdir}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the metrics log ({workdir / 'metrics.jsonl'} and {workdir / 'tensorboard'}) "
+        "could not be written (OSError: File too large): is the disk full, or the folder no "
+        "longer writable? Fix the storage, then run the command again (a training run resumes "
+        "from its latest checkpoint)")
 
 
 BACKGROUND_SAVE = """

@@ -34,6 +34,7 @@ from posjax.convert.mapping import check_tree
 from posjax.convert.pretrained import (Pretrained, build_module, expected_params,
                                        resize_vit)
 from posjax.convert.tensors import read_folder_weights, read_npz, write_safetensors
+from posjax.data.common import local_path
 
 __all__ = ["Pretrained", "build_module", "expected_params", "export_hf", "load_checkpoint",
            "load_pretrained", "resize_vit", "save_checkpoint"]
@@ -56,7 +57,7 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
     if resample is not None and image_size is None:
         raise ValueError(f"resample={resample!r} needs image_size (the target resolution)")
-    path = pathlib.Path(path).expanduser()
+    path = local_path(path, "--from")
     if path.is_file() and path.suffix == ".npz":
         pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"
     elif path.is_dir() and ((path / MODEL_CONFIG).is_file() or is_train_workdir(path)):

@@ -7,16 +7,24 @@ import shutil
 import tempfile
 from typing import Callable
 
+from posjax.data.common import local_path
+
+
+def new_destination(dest: str | pathlib.Path) -> pathlib.Path:
+    """``dest`` as an absolute local path; one ValueError if it is a URL or exists already."""
+    dest = local_path(dest, "--to")
+    if dest.exists():
+        raise ValueError(f"destination {dest} already exists: choose a new folder or remove it "
+                         "first (posjax never overwrites checkpoints)")
+    return dest
+
 
 def write_directory(dest: str | pathlib.Path, fill: Callable[[pathlib.Path], None]) -> pathlib.Path:
     """Create ``dest`` with the files ``fill(staging_dir)`` writes; on any error nothing is left.
 
     ``dest`` must not exist yet (an existing folder is never overwritten or merged into).
     """
-    dest = pathlib.Path(dest).expanduser().resolve()
-    if dest.exists():
-        raise ValueError(f"destination {dest} already exists: choose a new folder or remove it "
-                         "first (posjax never overwrites checkpoints)")
+    dest = new_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     umask = os.umask(0)

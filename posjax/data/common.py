@@ -9,6 +9,7 @@ import glob
 import multiprocessing.resource_tracker
 import os
 import pathlib
+import re
 import signal
 import socket
 import threading
@@ -153,6 +154,23 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
         out.append(f"unknown key(s) {', '.join(f'data.{k}' for k in unknown)}: the data config "
                    f"has no such field; the valid keys are {', '.join(sorted(defaults))}")
     return out
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(value: str | os.PathLike, what: str) -> pathlib.Path:
+    """``value`` as an absolute local path (``~`` expanded). A URL (``gs://``, ``s3://``, ...)
+    is one ValueError naming ``what``: runs read and write their folders through the file
+    system (a file lock, atomic renames), and pathlib would turn ``gs://b/x`` into a local
+    folder ``gs:/b/x``."""
+    text = os.fspath(value)
+    if _URL.match(text):
+        raise ValueError(f"{what}={text!r} is a URL, but posjax opens its folders through "
+                         "the file system (a workdir needs file locks and atomic renames): give "
+                         "a local path, or on several hosts a shared file system every host "
+                         "mounts (NFS, Filestore)")
+    return pathlib.Path(text).expanduser().resolve()
 
 
 def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:

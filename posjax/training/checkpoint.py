@@ -109,7 +109,22 @@ class StopRequest:
 
 
 class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk, a folder no longer writable)."""
+    """A checkpoint, or another file of the run (``writing``), could not be written (a full
+    disk, a folder no longer writable)."""
+
+
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """An OSError inside, while ``what`` (naming the file) is written, raises one SaveFailed
+    saying so and how to go on: the metrics log, an eval result, a plot fail this way when
+    the disk fills (tracebacks from TensorBoard's writer, before)."""
+    try:
+        yield
+    except OSError as e:
+        raise SaveFailed(f"{what} could not be written ({type(e).__name__}: "
+                         f"{e.strerror or e}): is the disk full, or the folder no longer "
+                         "writable? Fix the storage, then run the command again (a training "
+                         "run resumes from its latest checkpoint)") from e
 
 
 # How TensorStore words a failed read or write of a file (it raises plain ValueErrors).

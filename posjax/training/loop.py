@@ -41,7 +41,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from posjax.data.common import signals_to_receiver_thread, write_text_atomically
+from posjax.data.common import local_path, signals_to_receiver_thread, write_text_atomically
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
@@ -281,7 +281,7 @@ def with_model_defaults(config: dict[str, Any]) -> dict[str, Any]:
 
 def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
     """The run's ``config.json`` as a dict; None when the workdir has none."""
-    path = pathlib.Path(workdir).expanduser() / CONFIG_FILE
+    path = local_path(workdir, "--workdir") / CONFIG_FILE
     if not path.exists():
         return None
     try:
@@ -299,7 +299,7 @@ def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
     """The config a train.py run saved in ``workdir`` (its ``config.json``)."""
     saved = read_saved_config(workdir)
     if saved is None:
-        raise ValueError(f"{pathlib.Path(workdir).expanduser() / CONFIG_FILE} does not exist: "
+        raise ValueError(f"{local_path(workdir, '--workdir') / CONFIG_FILE} does not exist: "
                          "give the --workdir of a train.py run (or --config)")
     return ml_collections.ConfigDict(saved)
 
@@ -490,7 +490,7 @@ class _Context:
 def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             training: bool) -> Run:
     """Validate everything and build the run's objects (abstract only: nothing compiled)."""
-    workdir = pathlib.Path(workdir).expanduser().resolve()
+    workdir = local_path(workdir, "--workdir")
     task = make_task(config)
     validate_training_config(config)
     task.validate()
@@ -539,7 +539,8 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:
-        run.task.write_predictions(outputs, predictions_dir)
+        with ckpt_lib.writing(f"the predictions in {predictions_dir}"):
+            run.task.write_predictions(outputs, predictions_dir)
     return run.task.summarize(outputs)
 
 
@@ -565,7 +566,8 @@ def write_eval(run: Run, step: int, result: dict[str, float]) -> pathlib.Path:
     split = evaluated_split(run.config)
     path = eval_file(run.workdir, step, split)
     if run.is_main:
-        write_json(path, {"step": step, "split": split, **result})
+        with ckpt_lib.writing(f"the eval result {path}"):
+            write_json(path, {"step": step, "split": split, **result})
     return path
 
 
@@ -793,7 +795,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     writer.close()
     path = write_eval(run, step, result)
     if run.is_main:
-        metrics_lib.plot_curves(run.workdir)
+        with ckpt_lib.writing(f"the loss curve {run.workdir / 'loss_curve.png'}"):
+            metrics_lib.plot_curves(run.workdir)
     _print(run, f"final eval at step {step}: {_format(result)}  ({path})")
     return TrainResult(step, False, result, start)
 

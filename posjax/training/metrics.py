@@ -144,22 +144,24 @@ class MetricWriter:
         self._tb = None
         if not enabled:
             return
-        drop_after(self.path, start_step)
-        from tensorboardX import SummaryWriter
-        # The suffix keeps a resumed writer from reusing (truncating) its predecessor's file
-        # when both start within the same second (event files are named by time and host).
-        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
+        with self._writing():
+            drop_after(self.path, start_step)
+            self._tb = EventFile(pathlib.Path(workdir) / "tensorboard",
                                  purge_step=start_step + 1 if start_step else None,
-                                 filename_suffix=f".from_step_{start_step}")
+                                 suffix=f".from_step_{start_step}")
+
+    def _writing(self):
+        """A failed write (a full disk) is one SaveFailed naming these files."""
+        from posjax.training.checkpoint import writing
+        return writing(f"the metrics log ({self.path} and {self.path.parent / 'tensorboard'})")
 
     def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": int(step), "split": split, **scalars}) + "\n")
-        for name, value in scalars.items():
-            self._tb.add_scalar(f"{split}/{name}", value, step)
-        self._tb.flush()
+        with self._writing():
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": int(step), "split": split, **scalars}) + "\n")
+            self._tb.write(step, {f"{split}/{name}": value for name, value in scalars.items()})
 
     def write_once(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
         """``write`` unless metrics.jsonl already holds a ``split`` record of ``step`` (the
@@ -170,7 +172,40 @@ class MetricWriter:
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            with self._writing():
+                self._tb.close()
+
+
+class EventFile:
+    """TensorBoard scalars in one event file of ``folder``, written and flushed synchronously
+    (tensorboardX's event format; its SummaryWriter writes from a thread of its own and again
+    at exit, so a full disk printed their tracebacks after the run's one error).
+
+    ``purge_step``: TensorBoard hides the events of earlier files at steps >= it (a resumed
+    run's steps after its checkpoint). ``suffix`` ends the file name, which is otherwise made
+    of the time in seconds and the host: a resumed writer starting within the same second as
+    its predecessor must not reuse (truncate) that file."""
+
+    def __init__(self, folder: pathlib.Path, purge_step: int | None, suffix: str):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import SessionLog
+        folder.mkdir(parents=True, exist_ok=True)
+        self._events = EventsWriter(str(folder / "events"), suffix)
+        if purge_step is not None:
+            self._write(step=purge_step, session_log=SessionLog(status=SessionLog.START))
+
+    def _write(self, **fields: Any) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        self._events.write_event(Event(wall_time=time.time(), **fields))
+        self._events.flush()
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+        self._write(step=int(step), summary=Summary(value=[
+            Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]))
+
+    def close(self) -> None:
+        self._events.close()
 
 
 def drop_after(path: pathlib.Path, step: int) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from posjax.data.common import local_path
 from posjax.layers.positions import resample_position_table
 from posjax.models.layout import to_layout
 from posjax.training import checkpoint as ckpt_lib
@@ -96,7 +97,7 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
     """(orbax checkpoint holding a top-level ``params`` tree, its model-config JSON) for
     ``init_from``: a converter folder (``params/`` + ``model_config.json``) or a train.py
     workdir (the latest ``checkpoints/<step>/state`` + ``config.json``)."""
-    root = pathlib.Path(path).expanduser().resolve()
+    root = local_path(path, "init_from")
     if (root / "params").is_dir():
         return root / "params", root / "model_config.json"
     steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*")
