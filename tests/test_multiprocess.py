@@ -185,6 +185,25 @@ def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
     assert time.monotonic() - start < 150
 
 
+def test_a_failed_background_save_stops_both_processes_before_the_next_save(tmp_path):
+    """Files capped at 8 KiB in both processes: step 50's save fails in the background. The
+    processes agree at a log step (one all-gather of "my save has ended") and both stop with
+    the error naming step 50, before the final save at step 100 (where, before, they first
+    noticed)."""
+    from test_train_cli import FILES_CAPPED
+    overrides = {**OVERRIDES, "num_steps": 100, "log_every_steps": 5,
+                 "checkpoint.every_steps": 50}
+    results = launch(tmp_path / "w", tmp_path, "capped", overrides=overrides,
+                     python_args=("-c", FILES_CAPPED))
+    for i, (out, code) in enumerate(results):
+        # Both print the error (process 1 waits run_command's grace for process 0 to print
+        # its own); process 0 exits 1, then JAX's coordination service aborts process 1.
+        assert code == 1 if i == 0 else code != 0, out[-3000:]
+        assert f"process {i}: error: the checkpoint of step 50 could not be written in " \
+            f"{tmp_path / 'w' / 'checkpoints'} (" in out, out[-3000:]
+        assert "step 100/100 " not in out, out[-3000:]
+
+
 TEXT_OVERRIDES = {"num_steps": 4, "log_every_steps": 1, "eval_every_steps": 1000,
                   "checkpoint.every_steps": 1000, "optimizer.warmup_steps": 0,
                   "model.num_layers": 1, "model.hidden_size": 64, "model.num_heads": 2,

@@ -24,7 +24,9 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 class StopRequest:
@@ -158,7 +160,8 @@ class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
     ``reached_preemption``. A save that fails (now, or in the background: seen by
-    ``check_background_save``, the next save or a wait) raises ``SaveFailed``."""
+    ``check_background_save`` after a step, or at a log step with several processes; by the
+    next save or a wait) raises ``SaveFailed``."""
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
@@ -209,15 +212,23 @@ class Checkpointer:
             self._pending = step
         return saved
 
-    def check_background_save(self) -> None:
+    def check_background_save(self, synchronised: bool = False) -> None:
         """Between steps: once the last save has ended in the background, raise its failure
-        (SaveFailed) now rather than at the next save, a save interval of steps later. Single
-        process only: with several, a process's own view of "ended" must not decide a wait
-        that the others do not make."""
-        if (self._pending is None or jax.process_count() > 1
-                or self.manager.is_saving_in_progress()):
+        (SaveFailed) now rather than at the next save, a save interval of steps later.
+
+        With several processes a process's own view of "ended" must not decide a wait that the
+        others do not make (it would block in Orbax's barrier): they check only where
+        ``synchronised`` (a step at which every process makes this call: the log steps), and
+        wait only when every process's save has ended (one all-gather of a flag)."""
+        if self._pending is None:   # the same on every process: saves are taken in step
             return
-        self.wait()
+        ended = not self.manager.is_saving_in_progress()
+        if jax.process_count() > 1:
+            if not synchronised:
+                return
+            ended = bool(np.all(multihost_utils.process_allgather(np.asarray(ended))))
+        if ended:
+            self.wait()
 
     @contextlib.contextmanager
     def _storage_failures(self, step: int | None) -> Iterator[None]:

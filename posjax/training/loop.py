@@ -52,6 +52,7 @@ from posjax.training import workdir_lock
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
+EXIT_GRACE_S = 3.0   # run_command: how long a failing process > 0 lets process 0 print
 EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
 # Keys that may change between a run and its resumption: they change neither the math nor the
@@ -130,7 +131,10 @@ def run_command(action: Callable[[], T]) -> T:
     With several processes every failure ends this process at once (``os._exit`` after
     printing): a normal exit would wait at JAX's shutdown barrier for the other processes,
     which sit in a collective waiting for this one (minutes, then an abort). Ending at once
-    makes their collectives fail, so they end too."""
+    makes their collectives fail, so they end too. Processes other than 0 first give process 0
+    ``EXIT_GRACE_S`` to print its own error: it hosts JAX's coordination service, which aborts
+    it as soon as another process is gone, and a failure they share (a full disk) was printed
+    by process 1 only."""
     try:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
@@ -148,6 +152,8 @@ def run_command(action: Callable[[], T]) -> T:
             sys.exit(message)
         print(f"process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if jax.process_index() != 0:
+            time.sleep(EXIT_GRACE_S)
         os._exit(1)
 
 
@@ -758,7 +764,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             state, step_metrics = train_step(state, batch, key)
             step += 1
             accumulator.add(step_metrics)
-            checkpointer.check_background_save()
+            checkpointer.check_background_save(step % config.log_every_steps == 0)
             if first:   # exclude compilation from throughput
                 jax.block_until_ready(state.step)
                 _print(run, f"step {step} (compilation included) took "
