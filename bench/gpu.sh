@@ -15,6 +15,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-gpu-results.md}"
 budget="${2:-600}"
-python=$(command -v python || command -v python3)
+python=$(command -v python || command -v python3) || { echo "gpu.sh: needs python or python3 on the PATH" >&2; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 exec "$python" -m bench --gpu --budget "$budget" --out "$out"

@@ -150,7 +150,9 @@ def test_gpu_script_runs_where_python_is_python3(tmp_path):
     import sys
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "python3").symlink_to(sys.executable)
+    python3 = tools / "python3"   # a wrapper: a symlinked venv interpreter loses the venv
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
     for tool in ("bash", "dirname"):
         (tools / tool).symlink_to(shutil.which(tool))
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu.sh"

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -68,15 +69,17 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     flags = [f"--config.{k}={v}" for k, v in {**(overrides or OVERRIDES), **MULTI}.items()]
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
-    procs = []
+    procs, copiers = [], []
     for i, log in enumerate(logs):
-        with log.open("w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, *python_args, "train.py", "--config", config, *flags,
-                 f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                 f"--config.distributed.process_id={i}", f"--workdir={workdir}",
-                 *(extra_flags or {}).get(i, [])],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(
+            [sys.executable, *python_args, "train.py", "--config", config, *flags,
+             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+             f"--config.distributed.process_id={i}", f"--workdir={workdir}",
+             *(extra_flags or {}).get(i, [])],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        # This process writes the log (a child's file-size cap must not cut it short).
+        copiers.append(threading.Thread(target=_copy_lines, args=(procs[-1].stdout, log)))
+        copiers[-1].start()
     try:
         if sigterm_to:
             trigger = f"step {after_step}/{NUM_STEPS} "
@@ -89,7 +92,17 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        for copier in copiers:
+            copier.join(timeout=60)
     return [(log.read_text(), code) for log, code in zip(logs, codes)]
+
+
+def _copy_lines(stream, path: pathlib.Path) -> None:
+    """Copy a child's output into ``path`` line by line, flushed (polled by ``launch``)."""
+    with stream, path.open("wb") as out:
+        for line in stream:
+            out.write(line)
+            out.flush()
 
 
 def _stopped_step(output: str) -> int:

@@ -57,7 +57,7 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
     if resample is not None and image_size is None:
         raise ValueError(f"resample={resample!r} needs image_size (the target resolution)")
-    path = local_path(path, "--from")
+    path = local_path(path, "path")
     if path.is_file() and path.suffix == ".npz":
         pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"
     elif path.is_dir() and ((path / MODEL_CONFIG).is_file() or is_train_workdir(path)):

@@ -17,6 +17,7 @@ import numpy as np
 
 from posjax.convert import export_hf, load_pretrained, save_checkpoint
 from posjax.convert.destination import new_destination
+from posjax.data.common import local_path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.image_size is not None:
         size = args.image_size[0] if len(args.image_size) == 1 else tuple(args.image_size)
     try:
-        new_destination(args.dest)   # before a read that may take minutes
+        local_path(args.source, "--from")      # URLs: named as the command line does
+        new_destination(args.dest, "--to")     # before a read that may take minutes
         pre = load_pretrained(args.source, task=args.task, image_size=size,
                               resample=args.resample)
         write = export_hf if args.format == "hf" else save_checkpoint

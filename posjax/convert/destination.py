@@ -10,9 +10,10 @@ from typing import Callable
 from posjax.data.common import local_path
 
 
-def new_destination(dest: str | pathlib.Path) -> pathlib.Path:
-    """``dest`` as an absolute local path; one ValueError if it is a URL or exists already."""
-    dest = local_path(dest, "--to")
+def new_destination(dest: str | pathlib.Path, what: str = "destination") -> pathlib.Path:
+    """``dest`` as an absolute local path; one ValueError (naming ``what``) if it is a URL, or
+    if it exists already."""
+    dest = local_path(dest, what)
     if dest.exists():
         raise ValueError(f"destination {dest} already exists: choose a new folder or remove it "
                          "first (posjax never overwrites checkpoints)")

@@ -219,7 +219,10 @@ class Checkpointer:
         With several processes a process's own view of "ended" must not decide a wait that the
         others do not make (it would block in Orbax's barrier): they check only where
         ``synchronised`` (a step at which every process makes this call: the log steps), and
-        wait only when every process's save has ended (one all-gather of a flag)."""
+        wait only when every process's save has ended (one all-gather of a flag). That is when
+        every process's save failed (shared storage full). A save that failed on some hosts
+        only leaves the others' saves waiting in Orbax's commit barrier: the next save then
+        waits for them, up to Orbax's async timeout (20 minutes), before the run ends."""
         if self._pending is None:   # the same on every process: saves are taken in step
             return
         ended = not self.manager.is_saving_in_progress()

@@ -134,7 +134,9 @@ def run_command(action: Callable[[], T]) -> T:
     makes their collectives fail, so they end too. Processes other than 0 first give process 0
     ``EXIT_GRACE_S`` to print its own error: it hosts JAX's coordination service, which aborts
     it as soon as another process is gone, and a failure they share (a full disk) was printed
-    by process 1 only."""
+    by process 1 only. When process 0 ends first, the service aborts the others during their
+    grace, after their error line (a fatal log and a stack dump follow it: not a second
+    failure)."""
     try:
         return action()
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
