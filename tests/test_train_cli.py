@@ -83,6 +83,7 @@ def test_a_bucket_url_is_refused_before_anything_is_written(tmp_path):
         "init_from": [sys.executable, str(ROOT / "train.py"), *tiny, "--workdir=run",
                       f"--config.init_from={url}"],
         "--to": [sys.executable, "-m", "posjax.convert", "--from", str(tmp_path), "--to", url],
+        "--from": [sys.executable, "-m", "posjax.convert", "--from", url, "--to", "out"],
     }
     for field, command in runs.items():
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
