@@ -1,7 +1,7 @@
 """GLUE fine-tuning of the tiny CPU models on the GLUE download layout (../shared/data/glue).
 
     python train.py --config configs/glue_tiny.py:sst2 --workdir runs/sst2_tupe_r \
-        --config.init_from=runs/mlm_tupe_r_tiny_export      # encoder pretrained by mlm_*.py:tiny
+        --config.init_from=runs/mlm_tupe_r_tiny      # the workdir of mlm_tupe_r.py:tiny
     python eval.py --workdir runs/sst2_tupe_r               # dev metrics + SST-2.validation.tsv
 
 The variant is ``task`` or ``task,scheme`` (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli;
