@@ -2,6 +2,7 @@
 
     python -m posjax.convert --from HF_FOLDER_or_NPZ --to OUT_DIR [--image-size N] [--task T]
     python -m posjax.convert --from POSJAX_DIR_or_TRAIN_WORKDIR --to HF_OUT --format hf
+                                         # schemes deberta, deberta_v2 and vit only
 
 OUT_DIR gets ``params/`` (orbax StandardCheckpointer of {'params': params}) and
 ``model_config.json``; ``config.init_from`` of the training configs starts from it. Nothing is

@@ -156,6 +156,13 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
     return out
 
 
+def error_summary(error: BaseException) -> str:
+    """``Type: first line of the message``: TFDS's DatasetNotFoundError lists every dataset it
+    knows (~250 lines) after its first line."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 

@@ -56,9 +56,9 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 line_at, not_utf8_error, pad_to_full_batches, stack_examples,
-                                 write_text_atomically)
+from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
+                                 key_problems, line_at, not_utf8_error, pad_to_full_batches,
+                                 stack_examples, write_text_atomically)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01
@@ -278,7 +278,7 @@ def open_tfds(task: GlueTask, split: str, data_dir: str) -> tuple[Any, str, str]
     except Exception as e:  # tfds raises several unrelated types for a missing dataset
         raise ValueError(
             f"TFDS {name!r} split {tfds_split!r} could not be opened from data_dir="
-            f"{data_dir or '~/tensorflow_datasets'!r} ({type(e).__name__}: {e}); prepare it as "
+            f"{data_dir or '~/tensorflow_datasets'!r} ({error_summary(e)}); prepare it as "
             f"array_record or set data.glue_dir to a GLUE download folder") from e
     return source, name, tfds_split
 

@@ -84,8 +84,8 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
-                                 not_utf8_error, stack_examples)
+from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
+                                 key_problems, not_utf8_error, stack_examples)
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
 
 Example = dict[str, Any]
@@ -297,7 +297,7 @@ class TfdsTextSource:
         except Exception as e:  # tfds raises several unrelated types for a missing dataset
             raise ValueError(
                 f"TFDS dataset {name!r} split {split!r} could not be opened from data_dir="
-                f"{data_dir or '~/tensorflow_datasets'!r} ({type(e).__name__}: {e}); prepare it "
+                f"{data_dir or '~/tensorflow_datasets'!r} ({error_summary(e)}); prepare it "
                 f"as array_record (tfds build {name} --file_format=array_record) and set "
                 "data.data_dir") from e
         features = getattr(self._source.dataset_info, "features", None)
