@@ -28,6 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from posjax.data.common import error_summary
+
 
 class StopRequest:
     """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to stop
@@ -330,14 +332,13 @@ class Checkpointer:
 
 def _root_cause(error: BaseException) -> str:
     """The innermost exception in ``error``'s chain: its type and the first line of its
-    message (``_short``)."""
+    message (``error_summary``, shortened by ``_short``)."""
     while True:
         inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
         if inner is None:
             break
         error = inner
-    line = _short(str(error))
-    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return _short(error_summary(error))
 
 
 def _short(text: str) -> str:
