@@ -22,6 +22,10 @@ re-initialised (zero) for the new classes; no pre-logits layer.
         --config.data.data_dir=/path/to/tfds
     python train.py --config configs/vit_imagenet.py:b16,finetune --workdir ... \\
         --config.init_from=/path/to/converted_b16
+
+The recipes compute as the official vit_jax code (tanh GELU, LayerNorm eps 1e-6). A checkpoint
+converted from Hugging Face ViT also needs ``--config.model.hidden_act=gelu
+--config.model.layer_norm_eps=1e-12`` (a run without them stops and says so).
 """
 from posjax.data import default_data_config
 from posjax.models.config import ViTConfig

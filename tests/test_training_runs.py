@@ -23,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from posjax.models.config import TextConfig
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import loop
 from posjax.training import mesh as mesh_lib
@@ -271,6 +272,49 @@ def test_init_from_that_fits_no_encoder_parameter_is_refused_before_anything_is_
                                          r"fits this model's encoder: give config.model"):
         loop.train(syn.tiny_config(init_from=str(export)), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_init_from_whose_model_computes_another_function_is_refused_before_anything_is_written(
+        tmp_path):
+    """Weights of a model with exact GELU and LayerNorm eps 1e-12 (an HF ViT) fit a
+    gelu_tanh / 1e-6 model shape for shape, and would then compute another function: one
+    error naming both fields and the overrides, before the workdir exists. With those
+    overrides (and a different dropout, which is free) the run starts."""
+    _, export = _export(syn.tiny_config(**{"model.hidden_act": "gelu",
+                                           "model.layer_norm_eps": 1e-12}), tmp_path)
+    config = syn.tiny_config(**{"init_from": str(export), "model.hidden_act": "gelu_tanh"})
+    with pytest.raises(ValueError) as error:
+        loop.train(config, tmp_path / "run")
+    assert str(error.value) == (
+        f"init_from={str(export)!r}: the pretrained model (model_config.json there) has "
+        "hidden_act='gelu', layer_norm_eps=1e-12 where this run's config.model has "
+        "hidden_act='gelu_tanh', layer_norm_eps=1e-06: its weights would compute another "
+        "function here. Give config.model the pretrained values: "
+        "--config.model.hidden_act=gelu --config.model.layer_norm_eps=1e-12")
+    assert not (tmp_path / "run").exists()
+    fixed = syn.tiny_config(**{"init_from": str(export), "model.hidden_act": "gelu",
+                               "model.layer_norm_eps": 1e-12, "model.dropout_rate": 0.0})
+    loop.prepare(fixed, tmp_path / "run", training=True)
+
+
+def test_function_mismatches_reads_the_settings_of_the_scheme():
+    """DeBERTa-v2 log buckets 8 over 32 positions and no buckets over 8 positions both have
+    16 table rows; the scheme's settings are compared, those of schemes neither model uses,
+    the dropout, the gather strategy and the layer layout are not."""
+    saved = dict(position_scheme="deberta_v2", position_buckets=8, max_relative_positions=32,
+                 relative_max_distance=64, dropout_rate=0.0, gather="take",
+                 pos_att_type="c2p|p2c")
+    ours = TextConfig(position_scheme="deberta_v2", max_relative_positions=8, scan_layers=True,
+                      pos_att_type=("c2p", "p2c"))
+    assert state_lib.function_mismatches(saved, ours) == [
+        ("max_relative_positions", 32, 8), ("position_buckets", 8, 0)]
+    # Another scheme: its settings are listed too, so that one error gives every override.
+    assert state_lib.function_mismatches({**saved, "position_scheme": "tupe_r"}, ours) == [
+        ("position_scheme", "tupe_r", "deberta_v2"), ("max_relative_positions", 32, 8),
+        ("position_buckets", 8, 0), ("relative_max_distance", 64, 128)]
+    assert state_lib.function_mismatches({"image_size": 8}, ours) == []   # not a text config
+    tupe = TextConfig(position_scheme="tupe_r", relative_max_distance=64)
+    assert state_lib.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
 
 
 @pytest.mark.parametrize("scheme", ["vit", "tupe_a"])

@@ -515,7 +515,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
     if training and config.init_from and not saved_steps(workdir):   # read by a fresh start
-        state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid)
+        state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
+                                  task.model_config)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings)
 
 

@@ -126,11 +126,23 @@ def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str,
 
 
 def check_init_from(path: str | pathlib.Path, target_params: Any,
-                    grid: tuple[int, int] | None = None) -> None:
+                    grid: tuple[int, int] | None = None, model_config: Any = None) -> None:
     """Raise one ValueError when no encoder parameter saved at ``path`` would be loaded into
     a model with ``target_params`` (abstract shapes are enough): e.g. a text checkpoint for a
-    ViT, or another model width. Reads only the checkpoint's metadata."""
+    ViT, or another model width; or when this run's ``model_config`` (a TextConfig /
+    ViTConfig) would compute another function with the same parameters than the model saved
+    there (``function_mismatches``). Reads only the checkpoint's metadata and config."""
     params_dir, cfg_file = pretrained_location(path)
+    saved_model = _saved_model_config(_pretrained_config(cfg_file))
+    mismatches = function_mismatches(saved_model, model_config) if model_config else []
+    if mismatches:
+        theirs = ", ".join(f"{f}={_shown(saved)}" for f, saved, _ in mismatches)
+        ours = ", ".join(f"{f}={_shown(mine)}" for f, _, mine in mismatches)
+        flags = " ".join(f"--config.model.{f}={_flag(v)}" for f, v, _ in mismatches)
+        raise ValueError(
+            f"init_from={str(path)!r}: the pretrained model ({cfg_file.name} there) has "
+            f"{theirs} where this run's config.model has {ours}: its weights would compute "
+            f"another function here. Give config.model the pretrained values: {flags}")
     saved = _saved_tree(path, params_dir)["params"]
     target = _flatten(target_params)
     scanned = any("['layers']" in key for key in target)
@@ -151,7 +163,7 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
 
     if any(key in shapes and fits(key) for key in encoder):
         return
-    model_cfg = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
+    model_cfg = _saved_model_config(saved_cfg)
     scheme = (f" (its position_scheme is {model_cfg['position_scheme']!r})"
               if "position_scheme" in model_cfg else "")
     raise ValueError(
@@ -178,6 +190,57 @@ def _resampling(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
 
 def _pretrained_config(cfg_file: pathlib.Path) -> dict[str, Any]:
     return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+
+
+def _saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """The model section of a saved config: ``model`` in a train.py workdir's config.json,
+    ``config`` in the converter's model_config.json."""
+    return saved.get("model", saved.get("config", saved))
+
+
+# Fields that change what the same parameters compute, which their shapes cannot show: for
+# every model, and for the position schemes that read them.
+_SAME_FUNCTION_FIELDS = {
+    "*": ("position_scheme", "hidden_act", "layer_norm_eps", "qkv_bias"),
+    "bert_rel": ("relative_buckets", "relative_max_distance"),
+    "tupe_a": ("tie_cls",),
+    "tupe_r": ("relative_buckets", "relative_max_distance", "tie_cls"),
+    "deberta": ("pos_att_type", "max_relative_positions", "position_biased_input"),
+    "deberta_v2": ("pos_att_type", "max_relative_positions", "position_buckets",
+                   "share_att_key", "norm_rel_ebd", "position_biased_input", "conv_act"),
+}
+
+
+def function_mismatches(saved: dict[str, Any], model_config: Any) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, this value) for each field in which ``model_config`` (TextConfig /
+    ViTConfig) computes differently from the saved model config ``saved`` with the same
+    parameters: the activation, the LayerNorm epsilon, the position scheme and the settings
+    of its scheme, and of the saved scheme where that differs (``_SAME_FUNCTION_FIELDS``), so
+    that one error lists every override. Empty when ``saved`` is not a config of the
+    same kind (the parameter shapes then decide) or equal in all of them. Dropout, dtype,
+    the gather strategy, remat, layer scanning and the heads may differ."""
+    try:
+        theirs = type(model_config).from_dict(saved)
+    except (ValueError, TypeError):
+        return []
+    fields = _SAME_FUNCTION_FIELDS["*"]
+    for scheme in dict.fromkeys((model_config.position_scheme, theirs.position_scheme)):
+        fields += tuple(f for f in _SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
+    if getattr(model_config, "grid_size", None) != getattr(theirs, "grid_size", None):
+        fields = tuple(f for f in fields if f != "max_relative_positions")   # ViT: from the grid
+    if not (getattr(theirs, "conv_kernel_size", 0) and model_config.conv_kernel_size):
+        fields = tuple(f for f in fields if f != "conv_act")
+    return [(f, getattr(theirs, f), getattr(model_config, f)) for f in fields
+            if hasattr(model_config, f) and getattr(theirs, f) != getattr(model_config, f)]
+
+
+def _shown(value: Any) -> str:
+    return repr("|".join(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _flag(value: Any) -> str:
+    """``value`` as a --config.model override takes it (pos_att_type as 'c2p|p2c')."""
+    return "|".join(value) if isinstance(value, tuple) else str(value)
 
 
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
