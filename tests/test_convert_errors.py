@@ -124,6 +124,36 @@ def test_wrong_task(copy_of):
     assert set(encoder.params) == {"embeddings", "encoder"}
 
 
+@pytest.mark.parametrize("head, tensors", [
+    ("token-classification", {"classifier.weight": (3, 16), "classifier.bias": (3,)}),
+    ("question-answering", {"qa_outputs.weight": (2, 16), "qa_outputs.bias": (2,)})])
+def test_a_head_posjax_has_no_module_for(copy_of, head, tensors):
+    """HF's token classifier (``classifier.*`` without a pooler) and QA head are refused
+    with the way out, which then works: task='encoder' imports the encoder without them."""
+    edit_tensors(copy_of, drop=["pooler.dense.weight", "pooler.dense.bias", "classifier.weight",
+                                "classifier.bias"],
+                 add={k: np.zeros(s, np.float32) for k, s in tensors.items()})
+    prefix = next(iter(tensors)).split(".")[0]
+    with pytest.raises(ValueError, match=rf"model\.safetensors: holds a {head} head "
+                       rf"\({prefix}\.\*\), which posjax has no module for: pass "
+                       r"task='encoder' \(--task encoder\)"):
+        load_pretrained(copy_of)
+    encoder = load_pretrained(copy_of, task="encoder")
+    assert set(encoder.params) == {"embeddings", "encoder"}
+
+
+@pytest.mark.parametrize("changes, error", [
+    ({"hidden_size": "16"}, r"config\.json: hidden_size='16' is not valid: must be a number"),
+    ({"position_biased_input": "false"},
+     r"config\.json: position_biased_input='false' is not valid: must be true or false"),
+    ({"num_attention_heads": 3},   # posjax's num_heads, named as config.json names it
+     r"config\.json: hidden_size=16 is not valid: must be divisible by num_attention_heads=3")])
+def test_bad_config_values_name_the_config_json_key(copy_of, changes, error):
+    edit_config(copy_of, **changes)
+    with pytest.raises(ValueError, match=error):
+        load_pretrained(copy_of)
+
+
 def test_corrupt_npz(tmp_path):
     path = tmp_path / "vit.npz"
     np.savez(path, **{"embedding/kernel": np.zeros((4, 4, 3, 8), np.float32)})

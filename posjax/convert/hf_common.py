@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Mapping
+import re
+from typing import Any, Mapping, TypeVar
 
 # HF ACT2FN name -> posjax activation ("gelu" is exact erf GELU in both).
 ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -31,6 +32,13 @@ def read_config_json(folder: pathlib.Path) -> dict[str, Any]:
     return cfg
 
 
+# posjax model-config field -> the config.json key it comes from, where the names differ.
+HF_KEYS = {"num_heads": "num_attention_heads", "num_layers": "num_hidden_layers",
+           "mlp_dim": "intermediate_size", "dropout_rate": "hidden_dropout_prob",
+           "attention_dropout_rate": "attention_probs_dropout_prob"}
+ConfigT = TypeVar("ConfigT")
+
+
 class HFConfig:
     """config.json values with the HF class defaults for keys the file omits."""
 
@@ -39,7 +47,23 @@ class HFConfig:
 
     def __getitem__(self, key: str) -> Any:
         value = self.values.get(key, self.defaults.get(key))
-        return self.defaults.get(key) if value is None and key in self.defaults else value
+        default = self.defaults.get(key)
+        if value is None and key in self.defaults:
+            return default
+        if isinstance(value, str) and isinstance(default, (bool, int, float)):
+            kind = "true or false" if isinstance(default, bool) else "a number"
+            raise ValueError(f"{self.source}: {key}={value!r} is not valid: must be {kind} "
+                             "(a JSON string here)")
+        return value
+
+    def build(self, cls: type[ConfigT], **fields: Any) -> ConfigT:
+        """``cls(**fields)`` (a posjax model config); its error names this config.json and
+        its keys."""
+        try:
+            return cls(**fields)
+        except ValueError as e:
+            message = re.sub(r"\b(\w+)=", lambda m: HF_KEYS.get(m[1], m[1]) + "=", str(e))
+            raise ValueError(f"{self.source}: {message}") from None
 
     def fail(self, key: str, allowed: str) -> ValueError:
         return ValueError(f"{self.source}: {key}={self[key]!r} is not supported: {allowed}")

@@ -83,16 +83,13 @@ def text_config_from_hf(hf: HFConfig, *, use_emd: bool, position_rows: int) -> T
                       "(all released checkpoints set relative_attention=true)")
     if hf["talking_head"]:
         raise hf.fail("talking_head", "talking-head attention is not implemented")
-    for key, expect in (("attention_head_size", h // heads), ("pooler_hidden_size", h)):
-        if hf[key] is not None and hf[key] != expect:
-            raise hf.fail(key, f"posjax needs {expect} (hidden_size / heads, hidden_size)")
     max_rel = hf["max_relative_positions"]
     if max_rel < 1:   # HF: fall back to max_position_embeddings
         max_rel = hf["max_position_embeddings"]
     embedding_size = hf["embedding_size"] or h
     norm_rel = [t.strip() for t in str(hf["norm_rel_ebd"] or "none").lower().split("|")]
-    return TextConfig(
-        position_scheme=MODEL_TYPES[hf["model_type"]],
+    cfg = hf.build(
+        TextConfig, position_scheme=MODEL_TYPES[hf["model_type"]],
         vocab_size=hf["vocab_size"], hidden_size=h, num_heads=heads,
         num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
         max_position_embeddings=position_rows, type_vocab_size=hf["type_vocab_size"],
@@ -110,6 +107,10 @@ def text_config_from_hf(hf: HFConfig, *, use_emd: bool, position_rows: int) -> T
         conv_groups=hf["conv_groups"] if v2 else 1,
         conv_act=hf.activation("conv_act") if v2 and hf["conv_kernel_size"] else "tanh",
         use_emd=use_emd, pooler_act=hf.activation("pooler_hidden_act"))
+    for key, expect in (("attention_head_size", cfg.head_dim), ("pooler_hidden_size", h)):
+        if hf[key] is not None and hf[key] != expect:
+            raise hf.fail(key, f"posjax needs {expect} (hidden_size / heads, hidden_size)")
+    return cfg
 
 
 def _in_proj(source: str, att: m.Path, heads: int) -> m.Link:
@@ -194,12 +195,23 @@ def head_links(task: str, legacy_mlm: bool) -> list[m.Link]:
     return []
 
 
+# Heads of HF DeBERTa classes that posjax has no module for: (tensor prefix, what it is).
+# HF's token classifier is ``classifier.*`` without a pooler (its sequence classifier has one).
+OTHER_HEADS = (("qa_outputs.", "question-answering"), ("classifier.", "token-classification"))
+
+
 def _detect_task(names: set[str], source: str) -> str:
     mlm = any(n.startswith((MLM_OFFICIAL, MLM_LEGACY)) for n in names)
     cls = "classifier.weight" in names and "pooler.dense.weight" in names
     if mlm and cls:
         raise ValueError(f"{source}: holds both an MLM head and a classification head: "
                          "pass task='mlm' or task='classification'")
+    if not (mlm or cls):
+        for prefix, head in OTHER_HEADS:
+            if any(n.startswith(prefix) for n in names):
+                raise ValueError(
+                    f"{source}: holds a {head} head ({prefix}*), which posjax has no module "
+                    "for: pass task='encoder' (--task encoder) to import the encoder without it")
     return "mlm" if mlm else "classification" if cls else "encoder"
 
 
@@ -224,6 +236,7 @@ def import_deberta(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndar
         ignored |= {n for n in names if n.startswith((MLM_OFFICIAL, MLM_LEGACY))}
     if task != "classification":
         ignored |= {n for n in names if n.startswith(("pooler.", "classifier."))}
+    ignored |= {n for n in names if n.startswith("qa_outputs.")}   # refused above unless a task is given
     if legacy_mlm and task == "mlm":
         ignored |= _check_tied_decoder(tensors, prefix, source)
 

@@ -71,11 +71,8 @@ def import_vit(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
     pooler = names >= {"pooler.dense.weight", "pooler.dense.bias"}
     if pooler and hf["pooler_act"] != "tanh":
         raise hf.fail("pooler_act", "posjax's pre_logits uses tanh")
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    if hf["head_dim"] is not None and hf["head_dim"] != head_dim:
-        raise hf.fail("head_dim", f"posjax needs hidden_size / num_attention_heads = {head_dim}")
-    cfg = ViTConfig(
-        position_scheme="vit", image_size=_pair(hf["image_size"]),
+    cfg = hf.build(
+        ViTConfig, position_scheme="vit", image_size=_pair(hf["image_size"]),
         patch_size=_pair(hf["patch_size"]), num_channels=hf["num_channels"],
         hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
         num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
@@ -86,6 +83,9 @@ def import_vit(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
         dropout_rate=float(hf["hidden_dropout_prob"]),
         attention_dropout_rate=float(hf["attention_probs_dropout_prob"]),
         qkv_bias=bool(hf["qkv_bias"]))
+    if hf["head_dim"] is not None and hf["head_dim"] != cfg.head_dim:
+        raise hf.fail("head_dim", f"posjax needs hidden_size / num_attention_heads = "
+                      f"{cfg.head_dim}")
     expected = expected_params("vit", task, cfg)
     params = m.import_tensors(vit_links(cfg, prefix), tensors, expected, source, ignored)
     return Pretrained(cfg, params, "vit", task)
