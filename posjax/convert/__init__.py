@@ -48,7 +48,8 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
                     resample: str | None = None) -> Pretrained:
     """Checkpoint folder or file -> Pretrained(config, params, kind, task).
 
-    task: None keeps the checkpoint's head; 'encoder' drops it; 'mlm'/'classification' demand
+    task: None keeps the checkpoint's head (a head posjax has no module for, e.g. HF's token
+    classifier or QA head, is refused); 'encoder' drops it; 'mlm'/'classification' demand
     it. image_size (ViT): resample the position table to this resolution with ``resample``
     ('bilinear', the vit_jax choice and default for .npz/posjax; 'bicubic', the HF/timm choice
     and default for HF folders). Any problem raises one ValueError naming the file and tensor.
