@@ -73,6 +73,7 @@ def test_text_first_row_equals_full(name):
 
         def row0(p, first_only):
             out = model.apply(p, *args, first_only=first_only)
+            assert out.shape[1] == (1 if first_only else 24), (layout, out.shape)
             return out[:, 0]
 
         full, first = row0(p, False), row0(p, True)
@@ -136,7 +137,9 @@ def test_captured_attention_maps_stay_whole():
     maps = jax.tree.leaves(state["intermediates"])
     assert len(maps) == cfg.num_layers
     assert all(m.shape == (4, cfg.num_heads, 24, 24) for m in maps)
-    assert out.shape == (4, 24, cfg.hidden_size)
+    # The result has the shape first_only promises, whether or not maps are captured.
+    np.testing.assert_allclose(out, model.apply(params, *args, first_only=True), atol=TOL)
+    assert out.shape == (4, 1, cfg.hidden_size)
 
 
 def test_first_only_with_return_all_is_refused():

@@ -178,6 +178,11 @@ def test_token_inputs_of_the_wrong_shape_or_dtype_are_named():
          r"masked_positions \(2,\) int64 must be integer \(B=2, M\)"),
         (dict(input_ids=ids, attention_mask=mask, masked_positions=np.ones((2, 2), np.float32)),
          r"masked_positions \(2, 2\) float32"),
+        (dict(input_ids=ids, attention_mask=mask, masked_positions=[[1], [2]]),
+         r"masked_positions must be an array \(numpy or jax\), not list: pass "
+         r"np\.asarray\(masked_positions\)"),
+        (dict(input_ids=ids.tolist(), attention_mask=mask),
+         r"input_ids must be an array \(numpy or jax\), not list"),
     ]
     for inputs, match in cases:
         with pytest.raises(ValueError, match=match):

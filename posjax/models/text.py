@@ -1,9 +1,14 @@
 """Text models: embeddings + the shared encoder, with MLM (optionally EMD) and GLUE heads.
 
 Inputs everywhere: ``input_ids`` (B, L) int, ``attention_mask`` (B, L) (1 = token, 0 = pad,
-right padding, token 0 = [CLS]), optional ``token_type_ids`` (B, L).
+right padding, token 0 = [CLS]), optional ``token_type_ids`` (B, L). Shapes and dtypes are
+checked when traced; values cannot be under ``jit``: an id >= vocab_size makes its sequence's
+outputs NaN, a masked position >= L its own logits (JAX's gathers fill out-of-range rows with
+NaN).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -118,10 +123,19 @@ class TextEmbeddings(nn.Module):
         return self.word_embeddings.attend(x.astype(jnp.float32))
 
 
+def _check_is_array(name: str, value: Any) -> None:
+    if value is not None and not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise ValueError(f"{name} must be an array (numpy or jax), not {type(value).__name__}: "
+                         f"pass np.asarray({name})")
+
+
 def check_token_inputs(input_ids: Array, attention_mask: Array,
                        token_type_ids: Array | None = None) -> None:
     """One ValueError naming the argument unless input_ids, attention_mask, token_type_ids are
-    (B, L), ids of an integer dtype."""
+    (B, L) arrays, ids of an integer dtype."""
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                        ("token_type_ids", token_type_ids)):
+        _check_is_array(name, value)
     shape = tuple(input_ids.shape)
     if len(shape) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(f"input_ids {shape} {input_ids.dtype} must be integer (B, L) ids")
@@ -135,7 +149,8 @@ def check_token_inputs(input_ids: Array, attention_mask: Array,
 
 
 def check_masked_positions(masked_positions: Array | None, batch: int) -> None:
-    """One ValueError unless masked_positions is None or integer (B, M)."""
+    """One ValueError unless masked_positions is None or an integer (B, M) array."""
+    _check_is_array("masked_positions", masked_positions)
     if masked_positions is not None and (
             masked_positions.ndim != 2 or masked_positions.shape[0] != batch
             or not jnp.issubdtype(masked_positions.dtype, jnp.integer)):
@@ -217,6 +232,7 @@ class TextForMaskedLM(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Array,
                  token_type_ids: Array | None = None, masked_positions: Array | None = None,
                  *, train: bool = False) -> Array:
+        check_token_inputs(input_ids, attention_mask, token_type_ids)
         check_masked_positions(masked_positions, input_ids.shape[0])
         layers, pos, token_mask = self.encoder.hidden_states(input_ids, attention_mask,
                                                              token_type_ids, train=train)
