@@ -313,6 +313,8 @@ def test_function_mismatches_reads_the_settings_of_the_scheme():
         ("position_scheme", "tupe_r", "deberta_v2"), ("max_relative_positions", 32, 8),
         ("position_buckets", 8, 0), ("relative_max_distance", 64, 128)]
     assert state_lib.function_mismatches({"image_size": 8}, ours) == []   # not a text config
+    # The override the error prints for a tuple, as the shell passes it to ml_collections.
+    assert state_lib._flag(("c2p",)) == "\"('c2p',)\"" and state_lib._flag(1e-12) == "1e-12"
     tupe = TextConfig(position_scheme="tupe_r", relative_max_distance=64)
     assert state_lib.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
 

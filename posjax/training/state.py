@@ -136,8 +136,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     saved_model = _saved_model_config(_pretrained_config(cfg_file))
     mismatches = function_mismatches(saved_model, model_config) if model_config else []
     if mismatches:
-        theirs = ", ".join(f"{f}={_shown(saved)}" for f, saved, _ in mismatches)
-        ours = ", ".join(f"{f}={_shown(mine)}" for f, _, mine in mismatches)
+        theirs = ", ".join(f"{f}={saved!r}" for f, saved, _ in mismatches)
+        ours = ", ".join(f"{f}={mine!r}" for f, _, mine in mismatches)
         flags = " ".join(f"--config.model.{f}={_flag(v)}" for f, v, _ in mismatches)
         raise ValueError(
             f"init_from={str(path)!r}: the pretrained model ({cfg_file.name} there) has "
@@ -228,19 +228,17 @@ def function_mismatches(saved: dict[str, Any], model_config: Any) -> list[tuple[
         fields += tuple(f for f in _SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
     if getattr(model_config, "grid_size", None) != getattr(theirs, "grid_size", None):
         fields = tuple(f for f in fields if f != "max_relative_positions")   # ViT: from the grid
-    if not (getattr(theirs, "conv_kernel_size", 0) and model_config.conv_kernel_size):
+    if not (getattr(theirs, "conv_kernel_size", 0)
+            and getattr(model_config, "conv_kernel_size", 0)):
         fields = tuple(f for f in fields if f != "conv_act")
     return [(f, getattr(theirs, f), getattr(model_config, f)) for f in fields
             if hasattr(model_config, f) and getattr(theirs, f) != getattr(model_config, f)]
 
 
-def _shown(value: Any) -> str:
-    return repr("|".join(value)) if isinstance(value, tuple) else repr(value)
-
-
 def _flag(value: Any) -> str:
-    """``value`` as a --config.model override takes it (pos_att_type as 'c2p|p2c')."""
-    return "|".join(value) if isinstance(value, tuple) else str(value)
+    """``value`` as a shell passes it to a --config.model override: a tuple (pos_att_type) as
+    a quoted Python literal, which ml_collections parses back to the tuple."""
+    return f'"{value!r}"' if isinstance(value, tuple) else str(value)
 
 
 def read_pretrained(path: str | pathlib.Path, target_params: Any, param_shardings: Any
