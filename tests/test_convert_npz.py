@@ -1,6 +1,8 @@
-"""Official vit_jax .npz import: files written here in exactly the official naming load into the
+"""ViT .npz import: files written here in exactly the official vit_jax naming load into the
 posjax ViT with the same values, so applying our model to the loaded params equals applying it
-to the params that were saved; the position table is resampled for a new resolution."""
+to the params that were saved; the position table is resampled for a new resolution. Files in
+big_vision's naming give what big_vision's model computes (a float64 numpy forward written here
+from its code's order of operations)."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -9,6 +11,8 @@ import numpy as np
 import pytest
 import scipy.ndimage
 
+import ml_dtypes
+import reference
 from posjax.convert import load_pretrained
 from posjax.convert.mapping import flatten
 from posjax.convert.pretrained import Pretrained, resize_vit
@@ -122,8 +126,143 @@ def test_npz_resampled_to_new_resolution(tmp_path):
 
 def test_npz_not_a_vit(tmp_path):
     np.savez(tmp_path / "other.npz", weights=np.zeros(3, np.float32))
-    with pytest.raises(ValueError, match=r"other\.npz.*embedding/kernel"):
+    with pytest.raises(ValueError, match=r"other\.npz: no Transformer/encoderblock_0/.*not a ViT "
+                                         r"checkpoint of the official vit_jax or big_vision"):
         load_pretrained(tmp_path / "other.npz")
+
+
+# --- big_vision ------------------------------------------------------------------------------
+
+def big_vision_arrays(params: dict) -> dict[str, np.ndarray]:
+    """posjax-shaped random values under big_vision's ViT names (models/vit.py), written out by
+    hand: blocks number their modules from 0, the table sits at the top with no [CLS] row."""
+    block = {"attention_norm": "LayerNorm_0", "mlp_norm": "LayerNorm_1",
+             "attention": "MultiHeadDotProductAttention_0", "mlp": "MlpBlock_0"}
+    head = {"attention": "MultiHeadDotProductAttention_0", "norm": "LayerNorm_0",
+            "mlp": "MlpBlock_0", "probe": "probe"}
+    mlp = {"fc1": "Dense_0", "fc2": "Dense_1"}
+    out = {}
+    for path, value in flatten(params).items():
+        top, rest = path[0], list(path[1:])
+        if top == "pos_embedding":
+            out["pos_embedding"] = value[:, 1:] if "cls" in params else value
+            continue
+        if top == "encoder_norm":
+            name = ["Transformer/encoder_norm", *rest]
+        elif top == "encoder":
+            layer, module, *leaf = rest
+            name = [f"Transformer/encoderblock_{layer.split('_')[1]}", block[module],
+                    *([mlp[leaf[0]], leaf[1]] if module == "mlp" else leaf)]
+        elif top == "map_head":
+            module, *leaf = rest
+            name = ["MAPHead_0", head[module],
+                    *([mlp[leaf[0]], leaf[1]] if module == "mlp" else leaf)]
+        else:   # embedding, cls, pre_logits, head
+            name = list(path)
+        out["/".join(name)] = value
+    return out
+
+
+def big_vision_forward(arrays: dict, images: np.ndarray, num_heads: int) -> np.ndarray:
+    """big_vision's ViT in float64, in its order: patches + table, then [CLS] (when there is
+    one), pre-LN blocks, encoder_norm, pooling ([CLS], MAP head or mean), tanh pre_logits, head."""
+    a = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
+    gelu = reference.ACTIVATIONS["gelu_tanh"]
+
+    def norm(x, name):
+        return reference.layer_norm(x, {"scale": a[f"{name}/scale"], "bias": a[f"{name}/bias"]},
+                                    1e-6)
+
+    def dense(x, name, contract=1):
+        return reference.linear(x, {"kernel": a[f"{name}/kernel"], "bias": a[f"{name}/bias"]},
+                                contract)
+
+    def attention(name, x_q, x_kv):
+        q, k, v = (dense(x, f"{name}/{n}") for x, n in ((x_q, "query"), (x_kv, "key"),
+                                                        (x_kv, "value")))
+        logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        return dense(np.einsum("bhqk,bkhd->bqhd", weights, v), f"{name}/out", contract=2)
+
+    def mlp(x, name):
+        return dense(gelu(dense(x, f"{name}/Dense_0")), f"{name}/Dense_1")
+
+    x, _ = reference.patch_embed(images.astype(np.float64),
+                                 {"kernel": a["embedding/kernel"], "bias": a["embedding/bias"]})
+    x = x + a["pos_embedding"]
+    if "cls" in a:
+        x = np.concatenate([np.broadcast_to(a["cls"], (x.shape[0], 1, x.shape[2])), x], 1)
+    for i in range(sum(k.endswith("LayerNorm_0/scale") and k.startswith("Transformer/")
+                       for k in a)):
+        b = f"Transformer/encoderblock_{i}/"
+        y = norm(x, b + "LayerNorm_0")
+        x = x + attention(b + "MultiHeadDotProductAttention_0", y, y)
+        x = x + mlp(norm(x, b + "LayerNorm_1"), b + "MlpBlock_0")
+    x = norm(x, "Transformer/encoder_norm")
+    if "cls" in a:
+        x = x[:, 0]
+    elif "MAPHead_0/probe" in a:
+        probe = np.broadcast_to(a["MAPHead_0/probe"], (x.shape[0], 1, x.shape[2]))
+        y = attention("MAPHead_0/MultiHeadDotProductAttention_0", probe, x)
+        x = (y + mlp(norm(y, "MAPHead_0/LayerNorm_0"), "MAPHead_0/MlpBlock_0"))[:, 0]
+    else:
+        x = x.mean(1)
+    if "pre_logits/kernel" in a:
+        x = np.tanh(dense(x, "pre_logits"))
+    return dense(x, "head")
+
+
+BIG_VISION_CASES = {
+    # pool_type='tok' with rep_size, saved with its optax state (params/ + opt/), one bf16 array.
+    "tok_prelogits_params_bf16": dict(image_size=32, patch_size=8, pooling="token",
+                                      num_classes=7, representation_size=24),
+    # pool_type='map' (the SigLIP / So400m image towers), as one tower of a two-tower file.
+    "map_tower": dict(image_size=24, patch_size=4, pooling="map", num_classes=16),
+    "gap": dict(image_size=16, patch_size=4, pooling="gap", num_classes=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIG_VISION_CASES))
+def test_big_vision_npz_computes_what_big_vision_does(case, tmp_path):
+    cfg = ViTConfig(**SMALL, **BIG_VISION_CASES[case])
+    arrays = big_vision_arrays(random_params(cfg, seed=len(case)))
+    path = tmp_path / "bv.npz"
+    if case.startswith("tok"):
+        bf16 = arrays["Transformer/encoderblock_1/MlpBlock_0/Dense_1/kernel"].astype(
+            ml_dtypes.bfloat16)
+        arrays["Transformer/encoderblock_1/MlpBlock_0/Dense_1/kernel"] = bf16
+        saved = {**{f"params/{k}": v for k, v in arrays.items()},
+                 "opt/1/mu/head/kernel": np.zeros_like(arrays["head/kernel"])}
+    elif case == "map_tower":
+        saved = {**{f"params/img/{k}": v for k, v in arrays.items()},
+                 "params/txt/Embed_0/embedding": np.zeros((5, 8), np.float32), "params/t": 1.0}
+        with pytest.raises(ValueError, match=r"several models \(img, t, txt\): choose the ViT "
+                                             r"with .*bv\.npz:img"):
+            np.savez(path, **saved)
+            load_pretrained(path)
+        path = f"{path}:img"
+    else:
+        saved = arrays
+    np.savez(str(path).split(":")[0], **saved)
+
+    pre = load_pretrained(path)
+    assert pre.config == cfg and pre.task == "classification"
+    images = np.random.default_rng(0).normal(size=(2, *cfg.image_size, 3)).astype(np.float32)
+    ours = ViT(pre.config).apply({"params": pre.params}, images)
+    want = big_vision_forward({k: np.asarray(v, np.float32) for k, v in arrays.items()},
+                              images, cfg.num_heads)
+    np.testing.assert_allclose(np.asarray(ours, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_big_vision_sincos_positions_are_refused(tmp_path):
+    cfg = ViTConfig(**SMALL, image_size=16, patch_size=4, pooling="gap", num_classes=3)
+    arrays = big_vision_arrays(random_params(cfg, seed=3))
+    del arrays["pos_embedding"]
+    np.savez(tmp_path / "bv.npz", **arrays)
+    with pytest.raises(ValueError, match=r"bv\.npz: no pos_embedding: a big_vision ViT with "
+                                         r"fixed sin-cos position embeddings"):
+        load_pretrained(tmp_path / "bv.npz")
 
 
 @pytest.mark.parametrize("pooling", ["token", "gap"])

@@ -2,7 +2,7 @@
 
     from posjax.convert import load_pretrained, export_hf, save_checkpoint
 
-    pre = load_pretrained("deberta-v3-base/")        # HF folder, vit_jax .npz or posjax folder
+    pre = load_pretrained("deberta-v3-base/")        # HF folder, ViT .npz or posjax folder
     logits = pre.module().apply({"params": pre.params}, input_ids, attention_mask)
     save_checkpoint(pre, "ckpt/deberta-v3-base")     # orbax params + model_config.json
     export_hf(pre, "hf_out/")                        # config.json + model.safetensors
@@ -14,7 +14,9 @@ Sources:
   the file carries the absolute position table) or *ForSequenceClassification /
   ViTForImageClassification.
 - Official vit_jax ``.npz`` files (ViT-B/16 … H/14, R50+ViT-B/16; with or without pre_logits;
-  the ``opt/target/`` variant).
+  the ``opt/target/`` variant) and big_vision ViT ``.npz`` files ([CLS], GAP or MAP pooling,
+  learned positions; ``params/`` training checkpoints; one tower of a two-tower checkpoint
+  as ``file.npz:img``).
 - Folders written by ``save_checkpoint`` (model_config.json + params/), and train.py workdirs
   (the latest checkpoint's params), e.g. to export a fine-tuned model for transformers.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 from posjax.convert import hf_deberta, hf_vit, vit_npz
 from posjax.convert.checkpoint import (MODEL_CONFIG, is_train_workdir, load_checkpoint,
@@ -43,6 +46,13 @@ HF_MODEL_TYPES = tuple(hf_deberta.MODEL_TYPES) + ("vit",)
 TASKS = (None, "mlm", "classification", "encoder")
 
 
+def _npz_submodel(path: str | pathlib.Path) -> tuple[str | pathlib.Path, str | None]:
+    """``file.npz:img`` (big_vision's way to name one model of a checkpoint) -> (file.npz,
+    'img'); any other path unchanged, with None."""
+    match = re.fullmatch(r"(.+\.npz):([\w/]+)", str(path))
+    return (match[1], match[2]) if match else (path, None)
+
+
 def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
                     image_size: int | tuple[int, int] | None = None,
                     resample: str | None = None) -> Pretrained:
@@ -58,9 +68,11 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
     if resample is not None and image_size is None:
         raise ValueError(f"resample={resample!r} needs image_size (the target resolution)")
+    path, submodel = _npz_submodel(path)
     path = local_path(path, "path")
     if path.is_file() and path.suffix == ".npz":
-        pre, default_method = vit_npz.import_npz(read_npz(path), str(path), task), "bilinear"
+        pre = vit_npz.import_npz(read_npz(path), str(path), task, submodel)
+        default_method = "bilinear"
     elif path.is_dir() and ((path / MODEL_CONFIG).is_file() or is_train_workdir(path)):
         pre = load_checkpoint(path) if (path / MODEL_CONFIG).is_file() else \
             load_train_workdir(path)
@@ -74,7 +86,7 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         pre, default_method = _load_hf(path, task), "bicubic"
     else:
         raise ValueError(f"{path}: not found or not a checkpoint: pass a Hugging Face folder, "
-                         "a posjax checkpoint folder or an official vit_jax .npz file")
+                         "a posjax checkpoint folder or a vit_jax / big_vision .npz file")
     if image_size is not None:
         pre = resize_vit(pre, image_size, resample or default_method)
     return pre

@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m posjax.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", required=True,
-                   help="Hugging Face folder, official vit_jax .npz, posjax checkpoint folder "
+                   help="Hugging Face folder, vit_jax or big_vision ViT .npz (FILE.npz:img "
+                        "for one tower of a two-tower checkpoint), posjax checkpoint folder "
                         "or train.py workdir (its latest checkpoint)")
     p.add_argument("--to", dest="dest", required=True, help="output folder (must not exist)")
     p.add_argument("--format", choices=("posjax", "hf"), default="posjax",

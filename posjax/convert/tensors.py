@@ -11,6 +11,7 @@ import pathlib
 import zipfile
 from typing import Mapping
 
+import ml_dtypes   # installed with jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -73,13 +74,17 @@ def read_torch_bin(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """All arrays of an ``.npz`` archive (official vit_jax checkpoints)."""
+    """All arrays of an ``.npz`` archive (official vit_jax / big_vision checkpoints; numpy
+    stores bfloat16 arrays as 2-byte void, read back as bfloat16)."""
     out = {}
     try:
         with np.load(path, allow_pickle=False) as z:
             for name in z.files:
                 try:
-                    out[name] = _as_float32(name, z[name], path)
+                    array = z[name]
+                    if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+                        array = array.view(ml_dtypes.bfloat16)   # numpy saves bf16 as void
+                    out[name] = _as_float32(name, array, path)
                 except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
                     raise ValueError(f"{path}: cannot read array {name!r} ({e}); the file is "
                                      "truncated or corrupt: download it again") from e
