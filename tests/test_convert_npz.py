@@ -220,6 +220,8 @@ BIG_VISION_CASES = {
     # pool_type='map' (the SigLIP / So400m image towers), as one tower of a two-tower file.
     "map_tower": dict(image_size=24, patch_size=4, pooling="map", num_classes=16),
     "gap": dict(image_size=16, patch_size=4, pooling="gap", num_classes=3),
+    # scan=True: the blocks stacked as one Transformer/encoderblock with a leading layer axis.
+    "gap_scanned": dict(image_size=16, patch_size=4, pooling="gap", num_classes=3),
 }
 
 
@@ -242,6 +244,12 @@ def test_big_vision_npz_computes_what_big_vision_does(case, tmp_path):
             np.savez(path, **saved)
             load_pretrained(path)
         path = f"{path}:img"
+    elif case == "gap_scanned":
+        blocks = sorted({k.split("/")[1] for k in arrays if k.startswith("Transformer/encoderb")})
+        inner = {k.split("/", 2)[2] for k in arrays if k.startswith("Transformer/encoderblock_0/")}
+        saved = {k: v for k, v in arrays.items() if not k.startswith("Transformer/encoderb")}
+        saved |= {f"Transformer/encoderblock/{k}": np.stack([arrays[f"Transformer/{b}/{k}"]
+                                                             for b in blocks]) for k in inner}
     else:
         saved = arrays
     np.savez(str(path).split(":")[0], **saved)

@@ -12,9 +12,11 @@ big_vision's ViT (models/vit.py) numbers its block modules from 0
 at the top, adds it to the patches *before* the [CLS] token is prepended (so the token has no
 position row: posjax's table gets a zero row for it, the same function), and pools with
 ``MAPHead_0/{probe, MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}`` when the model
-has one. Its training checkpoints hold the model under ``params/``; a two-tower checkpoint
-(SigLIP, LiT) holds one ViT per tower (``img/``), chosen as ``file.npz:img``. Models with fixed
-sin-cos positions (``posemb='sincos2d'``: no ``pos_embedding``) are refused.
+has one; a scanned encoder (``scan=True``) stacks the blocks as ``Transformer/encoderblock``
+with a leading layer axis. Its training checkpoints hold the model under ``params/``; a
+two-tower checkpoint (SigLIP, LiT) holds one ViT per tower (``img/``), chosen as
+``file.npz:img``. Models with fixed sin-cos positions (``posemb='sincos2d'``: no
+``pos_embedding``) are refused.
 
 The npz holds no config: shapes give sizes, counts give depth and stages, ``cls`` present means
 [CLS] pooling, a MAP head MAP pooling, else global average pooling (big_vision's
@@ -93,6 +95,20 @@ def select_submodel(arrays: Mapping[str, np.ndarray], submodel: str | None, sour
         raise ValueError(f"{source}: a checkpoint of several models ({', '.join(tops)}): "
                          f"choose the ViT with {source}:img")
     return dict(arrays)
+
+
+_SCANNED = "Transformer/encoderblock/"
+
+
+def unstack_scanned_blocks(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """big_vision's scanned encoder (``scan=True``: one ``Transformer/encoderblock`` whose
+    arrays carry a leading layer axis) as numbered blocks ``encoderblock_{i}``."""
+    out = {k: v for k, v in arrays.items() if not k.startswith(_SCANNED)}
+    for name, stacked in arrays.items():
+        if name.startswith(_SCANNED):
+            for i, layer in enumerate(stacked):
+                out[f"{_BLOCK.format(i)}{name[len(_SCANNED):]}"] = layer
+    return out
 
 
 def detect_layout(names: set[str], source: str) -> Layout:
@@ -229,7 +245,7 @@ def import_npz(arrays: Mapping[str, np.ndarray], source: str, task: str | None =
     ``submodel``: the tower of a two-tower checkpoint (``img``). task='encoder' drops ``head``
     (and keeps ``pre_logits``)."""
     arrays, ignored = strip_optimizer_prefix(arrays)
-    arrays = select_submodel(arrays, submodel, source)
+    arrays = unstack_scanned_blocks(select_submodel(arrays, submodel, source))
     layout = detect_layout(set(arrays), source)
     cfg = config_from_npz(arrays, source, layout)
     if task not in (None, "classification", "encoder"):
