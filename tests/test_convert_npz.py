@@ -263,6 +263,19 @@ def test_big_vision_npz_computes_what_big_vision_does(case, tmp_path):
     np.testing.assert_allclose(np.asarray(ours, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
+def test_old_big_vision_table_with_a_cls_row(tmp_path):
+    """big_vision's older vit.py prepended [CLS] before adding the table (g² + 1 rows, as
+    vit_jax): such a file loads with its table as saved."""
+    cfg = ViTConfig(**SMALL, image_size=16, patch_size=4, pooling="token", num_classes=3)
+    params = random_params(cfg, seed=5)
+    arrays = big_vision_arrays(params)
+    arrays["pos_embedding"] = params["pos_embedding"]   # (1, 1 + 16, H)
+    np.savez(tmp_path / "bv.npz", **arrays)
+    pre = load_pretrained(tmp_path / "bv.npz")
+    assert pre.config == cfg
+    np.testing.assert_array_equal(pre.params["pos_embedding"], params["pos_embedding"])
+
+
 def test_big_vision_sincos_positions_are_refused(tmp_path):
     cfg = ViTConfig(**SMALL, image_size=16, patch_size=4, pooling="gap", num_classes=3)
     arrays = big_vision_arrays(random_params(cfg, seed=3))

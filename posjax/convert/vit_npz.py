@@ -12,7 +12,7 @@ big_vision's ViT (models/vit.py) numbers its block modules from 0
 at the top, adds it to the patches *before* the [CLS] token is prepended (so the token has no
 position row: posjax's table gets a zero row for it, the same function), and pools with
 ``MAPHead_0/{probe, MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}`` when the model
-has one; a scanned encoder (``scan=True``) stacks the blocks as ``Transformer/encoderblock``
+has one (its old checkpoints, whose table of g² + 1 rows has a [CLS] row, are read as such); a scanned encoder (``scan=True``) stacks the blocks as ``Transformer/encoderblock``
 with a leading layer axis. Its training checkpoints hold the model under ``params/``; a
 two-tower checkpoint (SigLIP, LiT) holds one ViT per tower (``img/``), chosen as
 ``file.npz:img``. Models with fixed sin-cos positions (``posemb='sincos2d'``: no
@@ -111,6 +111,16 @@ def unstack_scanned_blocks(arrays: Mapping[str, np.ndarray]) -> dict[str, np.nda
     return out
 
 
+def table_has_cls_row(arrays: Mapping[str, np.ndarray], layout: Layout) -> bool:
+    """Whether the position table holds a row for [CLS]: always in vit_jax; in big_vision only
+    in its old checkpoints (g² + 1 rows: [CLS] prepended before the table was added)."""
+    if "cls" not in arrays:
+        return False
+    rows = arrays[layout.pos_embedding].shape[1]
+    return layout is VIT_JAX or (math.isqrt(rows) ** 2 != rows
+                                 and math.isqrt(rows - 1) ** 2 == rows - 1)
+
+
 def detect_layout(names: set[str], source: str) -> Layout:
     for layout in (VIT_JAX, BIG_VISION):
         if _BLOCK.format(0) + layout.attention + "/query/kernel" in names:
@@ -157,7 +167,7 @@ def config_from_npz(arrays: Mapping[str, np.ndarray], source: str,
     has_cls = "cls" in names
     pooling = "token" if has_cls else "map" if _MAP + "probe" in names else "gap"
     # vit_jax's table has a row for [CLS]; big_vision adds it before [CLS] is prepended.
-    rows = arrays[layout.pos_embedding].shape[1] - int(has_cls and layout is VIT_JAX)
+    rows = arrays[layout.pos_embedding].shape[1] - int(table_has_cls_row(arrays, layout))
     grid = math.isqrt(rows)
     if grid * grid != rows:
         raise ValueError(f"{source}: position table has {rows} grid rows, not a square grid; "
@@ -204,10 +214,12 @@ def _cls_position_row(source: str) -> m.Link:
                   lambda t: (t[:, 1:],))
 
 
-def npz_links(cfg: ViTConfig, names: set[str], layout: Layout = VIT_JAX) -> list[m.Link]:
-    """vit_jax / big_vision names -> posjax ViT paths (layouts are identical: all are Flax)."""
+def npz_links(cfg: ViTConfig, names: set[str], layout: Layout = VIT_JAX,
+              cls_row: bool = True) -> list[m.Link]:
+    """vit_jax / big_vision names -> posjax ViT paths (layouts are identical: all are Flax).
+    ``cls_row``: the saved table has a [CLS] row (``table_has_cls_row``)."""
     links = _dense("embedding", ("embedding",))
-    if layout is BIG_VISION and cfg.pooling == "token":
+    if cfg.pooling == "token" and not cls_row:
         links.append(_cls_position_row(layout.pos_embedding))
     else:
         links.append(m.copy(layout.pos_embedding, ("pos_embedding",)))
@@ -259,6 +271,6 @@ def import_npz(arrays: Mapping[str, np.ndarray], source: str, task: str | None =
         ignored |= {"head/kernel", "head/bias"}
     task = "classification" if cfg.num_classes else "encoder"
     expected = expected_params("vit", task, cfg)
-    params = m.import_tensors(npz_links(cfg, set(arrays), layout), arrays, expected, source,
-                              ignored)
+    links = npz_links(cfg, set(arrays), layout, table_has_cls_row(arrays, layout))
+    params = m.import_tensors(links, arrays, expected, source, ignored)
     return Pretrained(cfg, params, "vit", task)
