@@ -264,16 +264,18 @@ def test_big_vision_npz_computes_what_big_vision_does(case, tmp_path):
 
 
 def test_old_big_vision_table_with_a_cls_row(tmp_path):
-    """big_vision's older vit.py prepended [CLS] before adding the table (g² + 1 rows, as
-    vit_jax): such a file loads with its table as saved."""
+    """big_vision's older vit.py kept the table in the encoder and prepended [CLS] before
+    adding it (g² + 1 rows, as vit_jax): such a file loads with its table as saved."""
     cfg = ViTConfig(**SMALL, image_size=16, patch_size=4, pooling="token", num_classes=3)
     params = random_params(cfg, seed=5)
     arrays = big_vision_arrays(params)
-    arrays["pos_embedding"] = params["pos_embedding"]   # (1, 1 + 16, H)
-    np.savez(tmp_path / "bv.npz", **arrays)
-    pre = load_pretrained(tmp_path / "bv.npz")
-    assert pre.config == cfg
-    np.testing.assert_array_equal(pre.params["pos_embedding"], params["pos_embedding"])
+    del arrays["pos_embedding"]
+    for where in ("Transformer/pos_embedding", "Transformer/posembed_input/pos_embedding"):
+        # (1, 1 + 16, H), in the encoder as the checkpoints before 2022 kept it
+        np.savez(tmp_path / "bv.npz", **arrays, **{where: params["pos_embedding"]})
+        pre = load_pretrained(tmp_path / "bv.npz")
+        assert pre.config == cfg
+        np.testing.assert_array_equal(pre.params["pos_embedding"], params["pos_embedding"])
 
 
 def test_big_vision_sincos_positions_are_refused(tmp_path):

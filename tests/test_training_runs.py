@@ -313,6 +313,21 @@ def test_function_mismatches_reads_the_settings_of_the_scheme():
         ("position_scheme", "tupe_r", "deberta_v2"), ("max_relative_positions", 32, 8),
         ("position_buckets", 8, 0), ("relative_max_distance", 64, 128)]
     assert state_lib.function_mismatches({"image_size": 8}, ours) == []   # not a text config
+    # No model_config.json, or one with the grid alone: only what it says is compared.
+    assert state_lib.function_mismatches({}, ours) == []
+    assert state_lib.function_mismatches({"position_buckets": 4}, ours) == [
+        ("position_buckets", 4, 0)]
+    # A train.py run's config.json leaves out fields at their defaults.
+    assert state_lib.function_mismatches({"max_relative_positions": 8}, ours,
+                                         missing_are_defaults=True) == [
+        ("position_scheme", "bert_abs", "deberta_v2")]
+    # The order of pos_att_type does not matter; the pooler's activation does once it is loaded.
+    assert state_lib.function_mismatches(
+        {**saved, "position_buckets": 0, "max_relative_positions": 8,
+         "pos_att_type": ("p2c", "c2p"), "pooler_act": "gelu"}, ours) == []
+    assert state_lib.function_mismatches(
+        {**saved, "position_buckets": 0, "max_relative_positions": 8, "pooler_act": "gelu"},
+        ours, with_pooler=True) == [("pooler_act", "gelu", "tanh")]
     # The override the error prints for a tuple, as the shell passes it to ml_collections.
     assert state_lib._flag(("c2p",)) == "\"('c2p',)\"" and state_lib._flag(1e-12) == "1e-12"
     tupe = TextConfig(position_scheme="tupe_r", relative_max_distance=64)

@@ -236,7 +236,8 @@ def import_deberta(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndar
         ignored |= {n for n in names if n.startswith((MLM_OFFICIAL, MLM_LEGACY))}
     if task != "classification":
         ignored |= {n for n in names if n.startswith(("pooler.", "classifier."))}
-    ignored |= {n for n in names if n.startswith("qa_outputs.")}   # refused above unless a task is given
+    # A QA head is refused above when no task is given; with one, it is dropped.
+    ignored |= {n for n in names if n.startswith("qa_outputs.")}
     if legacy_mlm and task == "mlm":
         ignored |= _check_tied_decoder(tensors, prefix, source)
 

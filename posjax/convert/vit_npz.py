@@ -12,11 +12,12 @@ big_vision's ViT (models/vit.py) numbers its block modules from 0
 at the top, adds it to the patches *before* the [CLS] token is prepended (so the token has no
 position row: posjax's table gets a zero row for it, the same function), and pools with
 ``MAPHead_0/{probe, MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}`` when the model
-has one (its old checkpoints, whose table of g² + 1 rows has a [CLS] row, are read as such); a scanned encoder (``scan=True``) stacks the blocks as ``Transformer/encoderblock``
-with a leading layer axis. Its training checkpoints hold the model under ``params/``; a
-two-tower checkpoint (SigLIP, LiT) holds one ViT per tower (``img/``), chosen as
-``file.npz:img``. Models with fixed sin-cos positions (``posemb='sincos2d'``: no
-``pos_embedding``) are refused.
+has one. A scanned encoder (``scan=True``) stacks the blocks as ``Transformer/encoderblock``
+with a leading layer axis. Older checkpoints keep the table under ``Transformer/``, and some
+have a [CLS] row in it (g² + 1 rows); both are read as big_vision's loader reads them. Its
+training checkpoints hold the model under ``params/``; a two-tower checkpoint (SigLIP, LiT)
+holds one ViT per tower (``img/``), chosen as ``file.npz:img``. Models with fixed sin-cos
+positions (``posemb='sincos2d'``: no table) are refused.
 
 The npz holds no config: shapes give sizes, counts give depth and stages, ``cls`` present means
 [CLS] pooling, a MAP head MAP pooling, else global average pooling (big_vision's
@@ -108,6 +109,17 @@ def unstack_scanned_blocks(arrays: Mapping[str, np.ndarray]) -> dict[str, np.nda
         if name.startswith(_SCANNED):
             for i, layer in enumerate(stacked):
                 out[f"{_BLOCK.format(i)}{name[len(_SCANNED):]}"] = layer
+    return out
+
+
+def _table_at_the_top(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """big_vision's older checkpoints keep the table in the encoder (``Transformer/
+    pos_embedding``, or ``Transformer/posembed_input/pos_embedding`` before that); its loader
+    moves it to the top, as here."""
+    out = dict(arrays)
+    for old in ("Transformer/pos_embedding", "Transformer/posembed_input/pos_embedding"):
+        if old in out and BIG_VISION.pos_embedding not in out:
+            out[BIG_VISION.pos_embedding] = out.pop(old)
     return out
 
 
@@ -259,6 +271,8 @@ def import_npz(arrays: Mapping[str, np.ndarray], source: str, task: str | None =
     arrays, ignored = strip_optimizer_prefix(arrays)
     arrays = unstack_scanned_blocks(select_submodel(arrays, submodel, source))
     layout = detect_layout(set(arrays), source)
+    if layout is BIG_VISION:
+        arrays = _table_at_the_top(arrays)
     cfg = config_from_npz(arrays, source, layout)
     if task not in (None, "classification", "encoder"):
         raise ValueError(f"task={task!r} is not valid for a ViT checkpoint: use 'classification' "

@@ -133,8 +133,13 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     ViTConfig) would compute another function with the same parameters than the model saved
     there (``function_mismatches``). Reads only the checkpoint's metadata and config."""
     params_dir, cfg_file = pretrained_location(path)
+    saved = _saved_tree(path, params_dir)["params"]
     saved_model = _saved_model_config(_pretrained_config(cfg_file))
-    mismatches = function_mismatches(saved_model, model_config) if model_config else []
+    with_pooler = "pooler" in saved   # a text classifier's: its activation then matters
+    # A train.py run left out only fields at their defaults; a model_config.json may be partial.
+    mismatches = (function_mismatches(saved_model, model_config, with_pooler,
+                                      missing_are_defaults=cfg_file.name == "config.json")
+                  if model_config else [])
     if mismatches:
         theirs = ", ".join(f"{f}={saved!r}" for f, saved, _ in mismatches)
         ours = ", ".join(f"{f}={mine!r}" for f, _, mine in mismatches)
@@ -143,7 +148,6 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"init_from={str(path)!r}: the pretrained model ({cfg_file.name} there) has "
             f"{theirs} where this run's config.model has {ours}: its weights would compute "
             f"another function here. Give config.model the pretrained values: {flags}")
-    saved = _saved_tree(path, params_dir)["params"]
     target = _flatten(target_params)
     scanned = any("['layers']" in key for key in target)
     shapes = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype),
@@ -211,28 +215,41 @@ _SAME_FUNCTION_FIELDS = {
 }
 
 
-def function_mismatches(saved: dict[str, Any], model_config: Any) -> list[tuple[str, Any, Any]]:
+def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: bool = False,
+                        missing_are_defaults: bool = False) -> list[tuple[str, Any, Any]]:
     """(field, saved value, this value) for each field in which ``model_config`` (TextConfig /
     ViTConfig) computes differently from the saved model config ``saved`` with the same
     parameters: the activation, the LayerNorm epsilon, the position scheme and the settings
     of its scheme, and of the saved scheme where that differs (``_SAME_FUNCTION_FIELDS``), so
-    that one error lists every override. Empty when ``saved`` is not a config of the
-    same kind (the parameter shapes then decide) or equal in all of them. Dropout, dtype,
-    the gather strategy, remat, layer scanning and the heads may differ."""
+    that one error lists every override; the pooler's activation when the checkpoint has a
+    pooler (``with_pooler``). Only the fields ``saved`` holds are compared, unless
+    ``missing_are_defaults`` (a train.py run's config, which leaves out fields at their
+    defaults). Empty when ``saved`` is not a config of the same kind (the parameter shapes then
+    decide) or agrees in all of them. Dropout, dtype, the gather strategy, remat, layer
+    scanning and the heads may differ."""
     try:
         theirs = type(model_config).from_dict(saved)
     except (ValueError, TypeError):
         return []
-    fields = _SAME_FUNCTION_FIELDS["*"]
-    for scheme in dict.fromkeys((model_config.position_scheme, theirs.position_scheme)):
+    fields = _SAME_FUNCTION_FIELDS["*"] + (("pooler_act",) if with_pooler else ())
+    schemes = (model_config.position_scheme,
+               *((theirs.position_scheme,) if "position_scheme" in saved
+                 or missing_are_defaults else ()))
+    for scheme in dict.fromkeys(schemes):
         fields += tuple(f for f in _SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
+    if not missing_are_defaults:
+        fields = tuple(f for f in fields if f in saved)
     if getattr(model_config, "grid_size", None) != getattr(theirs, "grid_size", None):
         fields = tuple(f for f in fields if f != "max_relative_positions")   # ViT: from the grid
     if not (getattr(theirs, "conv_kernel_size", 0)
             and getattr(model_config, "conv_kernel_size", 0)):
         fields = tuple(f for f in fields if f != "conv_act")
+    def same(field: str, a: Any, b: Any) -> bool:
+        return set(a) == set(b) if field == "pos_att_type" else a == b   # an unordered choice
+
     return [(f, getattr(theirs, f), getattr(model_config, f)) for f in fields
-            if hasattr(model_config, f) and getattr(theirs, f) != getattr(model_config, f)]
+            if hasattr(model_config, f) and not same(f, getattr(theirs, f),
+                                                      getattr(model_config, f))]
 
 
 def _flag(value: Any) -> str:
