@@ -156,7 +156,7 @@ def _resnet_layers(names: set[str]) -> tuple[int, ...]:
 
 
 def config_from_npz(arrays: Mapping[str, np.ndarray], source: str,
-                    layout: Layout = VIT_JAX) -> ViTConfig:
+                    layout: Layout) -> ViTConfig:
     """ViTConfig at the checkpoint's own resolution (square grid from the position table)."""
     names = set(arrays)
     if layout is BIG_VISION and layout.pos_embedding not in names:
@@ -226,8 +226,8 @@ def _cls_position_row(source: str) -> m.Link:
                   lambda t: (t[:, 1:],))
 
 
-def npz_links(cfg: ViTConfig, names: set[str], layout: Layout = VIT_JAX,
-              cls_row: bool = True) -> list[m.Link]:
+def npz_links(cfg: ViTConfig, names: set[str], layout: Layout, cls_row: bool
+              ) -> list[m.Link]:
     """vit_jax / big_vision names -> posjax ViT paths (layouts are identical: all are Flax).
     ``cls_row``: the saved table has a [CLS] row (``table_has_cls_row``)."""
     links = _dense("embedding", ("embedding",))

@@ -141,8 +141,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
                                       missing_are_defaults=cfg_file.name == "config.json")
                   if model_config else [])
     if mismatches:
-        theirs = ", ".join(f"{f}={saved!r}" for f, saved, _ in mismatches)
-        ours = ", ".join(f"{f}={mine!r}" for f, _, mine in mismatches)
+        theirs = ", ".join(f"{f}={value!r}" for f, value, _ in mismatches)
+        ours = ", ".join(f"{f}={value!r}" for f, _, value in mismatches)
         flags = " ".join(f"--config.model.{f}={_flag(v)}" for f, v, _ in mismatches)
         raise ValueError(
             f"init_from={str(path)!r}: the pretrained model ({cfg_file.name} there) has "
@@ -244,12 +244,13 @@ def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: b
     if not (getattr(theirs, "conv_kernel_size", 0)
             and getattr(model_config, "conv_kernel_size", 0)):
         fields = tuple(f for f in fields if f != "conv_act")
-    def same(field: str, a: Any, b: Any) -> bool:
-        return set(a) == set(b) if field == "pos_att_type" else a == b   # an unordered choice
-
     return [(f, getattr(theirs, f), getattr(model_config, f)) for f in fields
-            if hasattr(model_config, f) and not same(f, getattr(theirs, f),
-                                                      getattr(model_config, f))]
+            if hasattr(model_config, f) and not _same_value(f, getattr(theirs, f),
+                                                             getattr(model_config, f))]
+
+
+def _same_value(field: str, a: Any, b: Any) -> bool:
+    return set(a) == set(b) if field == "pos_att_type" else a == b   # an unordered choice
 
 
 def _flag(value: Any) -> str:
