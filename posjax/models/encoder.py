@@ -272,20 +272,22 @@ class Encoder(nn.Module):
         ``first_only``: the caller reads only token 0 (a [CLS] classifier), so the last layer
         computes only that row: its query, one attention row over every key, the MLP. Returns
         (B, 1, H), equal to ``[:, :1]`` of the full output (dropout masks aside), for ~1/L of
-        the last layer's cost. While intermediates are captured (and where the row cannot run
-        alone: ``can_run_first_only``) the last layer computes every row, so attention maps stay
-        whole; the result is still (B, 1, H).
+        the last layer's cost; where the row cannot run alone (``can_run_first_only``) the
+        last layer computes every row and row 0 is returned. While intermediates are captured
+        the full (B, L, H) is computed and returned, so that captured hidden states and
+        attention maps stay whole (``[:, :1]`` of it is the (B, 1, H) above).
         """
         if return_all and first_only:
             raise ValueError("return_all=True needs every token of every layer: "
                              "set first_only=False")
         terms = self.position_terms(x.shape[1])
         mask = self.attention_mask(token_mask)
-        row_alone = (first_only and can_run_first_only(self.cfg)
-                     and not self.is_mutable_collection("intermediates"))
+        capturing = self.is_mutable_collection("intermediates")
+        row_alone = first_only and can_run_first_only(self.cfg) and not capturing
+        first_row = first_only and not row_alone and not capturing   # sliced from every row
         if self.cfg.scan_layers:
             out = self._scanned_call(x, token_mask, mask, terms, train, return_all, row_alone)
-            return out[:, :1] if first_only and not row_alone else out
+            return out[:, :1] if first_row else out
         outputs = []
         h = x
         for i, layer in enumerate(self.layers):
@@ -296,7 +298,7 @@ class Encoder(nn.Module):
                 out = self.conv(x, out, token_mask, train)
             outputs.append(out)
             h = out
-        return outputs if return_all else h[:, :1] if first_only else h
+        return outputs if return_all else h[:, :1] if first_row else h
 
     @staticmethod
     def _first_query(h: Array, mask: Array, terms: dict[str, Any]

@@ -184,7 +184,8 @@ class TextEncoder(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Array, token_type_ids: Array | None = None,
                  *, train: bool = False, first_only: bool = False) -> Array:
         """Last hidden states (B, L, H); ``first_only``: the caller reads only [CLS], (B, 1, H)
-        (``Encoder``: the last layer computes that row alone)."""
+        (``Encoder``: the last layer computes that row alone), but (B, L, H) while
+        intermediates are captured, so that captured hidden states stay whole."""
         x, _, token_mask = self._embed(input_ids, attention_mask, token_type_ids, train)
         return self.encoder(x, token_mask, train=train, first_only=first_only)
 
