@@ -77,8 +77,10 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
              f"--config.distributed.process_id={i}", f"--workdir={workdir}",
              *(extra_flags or {}).get(i, [])],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        # This process writes the log (a child's file-size cap must not cut it short).
-        copiers.append(threading.Thread(target=_copy_lines, args=(procs[-1].stdout, log)))
+        # This process writes the log (a child's file-size cap must not cut it short). The
+        # file exists before the loop below polls it.
+        copiers.append(threading.Thread(target=_copy_lines,
+                                        args=(procs[-1].stdout, log.open("wb"))))
         copiers[-1].start()
     try:
         if sigterm_to:
@@ -97,9 +99,10 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
     return [(log.read_text(), code) for log, code in zip(logs, codes)]
 
 
-def _copy_lines(stream, path: pathlib.Path) -> None:
-    """Copy a child's output into ``path`` line by line, flushed (polled by ``launch``)."""
-    with stream, path.open("wb") as out:
+def _copy_lines(stream, out) -> None:
+    """Copy a child's output into the open file ``out`` line by line, flushed (polled by
+    ``launch``); closes both."""
+    with stream, out:
         for line in stream:
             out.write(line)
             out.flush()
