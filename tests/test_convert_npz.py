@@ -34,11 +34,18 @@ def random_params(cfg: ViTConfig, seed: int) -> dict:
                                         for x in leaves])
 
 
+MLP_DENSE = {"fc1": "Dense_0", "fc2": "Dense_1"}   # both codes' MlpBlock
+
+
+def module_path(module: str, leaf: list[str], modules: dict[str, str]) -> list[str]:
+    """posjax ``module/leaf`` inside a block -> the official names (``modules``; MLP denses)."""
+    return [modules[module], *([MLP_DENSE[leaf[0]], leaf[1]] if module == "mlp" else leaf)]
+
+
 def official_arrays(params: dict) -> dict[str, np.ndarray]:
     """The same values under the official vision_transformer names (written out by hand)."""
     block = {"attention_norm": "LayerNorm_0", "mlp_norm": "LayerNorm_2",
              "attention": "MultiHeadDotProductAttention_1", "mlp": "MlpBlock_3"}
-    mlp = {"fc1": "Dense_0", "fc2": "Dense_1"}
     out = {}
     for path, value in flatten(params).items():
         head, rest = path[0], list(path[1:])
@@ -48,10 +55,8 @@ def official_arrays(params: dict) -> dict[str, np.ndarray]:
             name = "Transformer/encoder_norm/" + rest[0]
         elif head == "encoder":
             layer, module, *leaf = rest
-            if module == "mlp":
-                leaf = [mlp[leaf[0]], leaf[1]]
-            name = "/".join([f"Transformer/encoderblock_{layer.split('_')[1]}", block[module],
-                             *leaf])
+            name = "/".join([f"Transformer/encoderblock_{layer.split('_')[1]}",
+                             *module_path(module, leaf, block)])
         elif head == "resnet":
             unit, *leaf = rest
             if unit.startswith("block"):   # posjax block{s}_unit{u} -> official block{s}/unit{u}
@@ -140,7 +145,6 @@ def big_vision_arrays(params: dict) -> dict[str, np.ndarray]:
              "attention": "MultiHeadDotProductAttention_0", "mlp": "MlpBlock_0"}
     head = {"attention": "MultiHeadDotProductAttention_0", "norm": "LayerNorm_0",
             "mlp": "MlpBlock_0", "probe": "probe"}
-    mlp = {"fc1": "Dense_0", "fc2": "Dense_1"}
     out = {}
     for path, value in flatten(params).items():
         top, rest = path[0], list(path[1:])
@@ -151,12 +155,11 @@ def big_vision_arrays(params: dict) -> dict[str, np.ndarray]:
             name = ["Transformer/encoder_norm", *rest]
         elif top == "encoder":
             layer, module, *leaf = rest
-            name = [f"Transformer/encoderblock_{layer.split('_')[1]}", block[module],
-                    *([mlp[leaf[0]], leaf[1]] if module == "mlp" else leaf)]
+            name = [f"Transformer/encoderblock_{layer.split('_')[1]}",
+                    *module_path(module, leaf, block)]
         elif top == "map_head":
             module, *leaf = rest
-            name = ["MAPHead_0", head[module],
-                    *([mlp[leaf[0]], leaf[1]] if module == "mlp" else leaf)]
+            name = ["MAPHead_0", *module_path(module, leaf, head)]
         else:   # embedding, cls, pre_logits, head
             name = list(path)
         out["/".join(name)] = value

@@ -46,8 +46,8 @@ class HFConfig:
         self.values, self.defaults, self.source = dict(values), defaults, source
 
     def __getitem__(self, key: str) -> Any:
-        value = self.values.get(key, self.defaults.get(key))
         default = self.defaults.get(key)
+        value = self.values.get(key, default)
         if value is None and key in self.defaults:
             return default
         if isinstance(value, str) and isinstance(default, (bool, int, float)):

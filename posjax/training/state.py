@@ -134,7 +134,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     there (``function_mismatches``). Reads only the checkpoint's metadata and config."""
     params_dir, cfg_file = pretrained_location(path)
     saved = _saved_tree(path, params_dir)["params"]
-    saved_model = _saved_model_config(_pretrained_config(cfg_file))
+    saved_cfg = _pretrained_config(cfg_file)
+    saved_model = _saved_model_config(saved_cfg)
     with_pooler = "pooler" in saved   # a text classifier's: its activation then matters
     # A train.py run left out only fields at their defaults; a model_config.json may be partial.
     mismatches = (function_mismatches(saved_model, model_config, with_pooler,
@@ -158,7 +159,6 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     # The encoder is what a pretrained model is for: a head or a bias that happens to fit
     # alone does not make a checkpoint usable.
     encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
-    saved_cfg = _pretrained_config(cfg_file)
 
     def fits(key: str) -> bool:
         saved_shape, shape = tuple(shapes[key].shape), tuple(target[key].shape)
@@ -167,9 +167,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
 
     if any(key in shapes and fits(key) for key in encoder):
         return
-    model_cfg = _saved_model_config(saved_cfg)
-    scheme = (f" (its position_scheme is {model_cfg['position_scheme']!r})"
-              if "position_scheme" in model_cfg else "")
+    scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
+              if "position_scheme" in saved_model else "")
     raise ValueError(
         f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
         f"encoder{scheme}: give config.model the pretrained model's "
