@@ -18,3 +18,9 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per core, at most 4. Each worker holds its own
+    jax and torch and a step already uses several threads, so more workers only add memory."""
+    return max(1, min(4, os.cpu_count() or 1))
