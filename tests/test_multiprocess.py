@@ -59,9 +59,10 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
            extra_flags: dict[int, list[str]] | None = None,
            config: str = "configs/vit_digits.py:tiny",
            overrides: dict | None = None,
-           python_args: tuple[str, ...] = ()) -> list[tuple[str, int]]:
-    """Run train.py ``config`` with ``overrides`` (default OVERRIDES) as 2 processes
-    (``extra_flags``: more flags for some of them; ``python_args``: before ``train.py``);
+           python_args: tuple[str, ...] = (),
+           script: str = "train.py") -> list[tuple[str, int]]:
+    """Run ``script`` (train.py) on ``config`` with ``overrides`` (default OVERRIDES) as 2
+    processes (``extra_flags``: more flags for some of them; ``python_args``: before it);
     with ``sigterm_to``, send SIGTERM to those processes once process 0 reports
     ``after_step``. Returns [(output, exit status)] per process."""
     port = _free_port()
@@ -72,7 +73,7 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
     procs, copiers = [], []
     for i, log in enumerate(logs):
         procs.append(subprocess.Popen(
-            [sys.executable, *python_args, "train.py", "--config", config, *flags,
+            [sys.executable, *python_args, script, "--config", config, *flags,
              f"--config.distributed.coordinator_address=127.0.0.1:{port}",
              f"--config.distributed.process_id={i}", f"--workdir={workdir}",
              *(extra_flags or {}).get(i, [])],
@@ -187,6 +188,37 @@ def test_two_processes_equal_one_process(runs):
     for x, y in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1])):
         # Adam moves a parameter by ~lr·sign(g) when g ≈ 0, so allow a little more than 1e-5.
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=5e-4)
+
+
+LISTING_WITHOUT_THE_LATEST_STEP = """
+import runpy, sys
+from posjax.training import loop
+if "--config.distributed.process_id=1" in sys.argv:
+    listed = loop.saved_steps
+    loop.saved_steps = lambda workdir: listed(workdir)[:-1]   # its listing lags a save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_eval_processes_evaluate_the_step_process_0_chose(runs):
+    """eval.py, 2 processes, beside a run that has just saved: process 1 does not list the
+    latest step yet. Both evaluate process 0's latest step, and the result is the run's own
+    final eval (before, process 1 restored an older step into the same global state)."""
+    _, multi, _, _, _ = runs
+    path = loop.eval_file(multi, NUM_STEPS, "test")
+    trained = json.loads(path.read_text())
+    path.unlink()
+    results = launch(multi, multi.parent, "eval", config=f"configs/saved.py:{multi}",
+                     overrides={"peak_flops": 1e12}, script="eval.py",
+                     python_args=("-c", LISTING_WITHOUT_THE_LATEST_STEP))
+    for output, code in results:
+        assert code == 0, output[-3000:]
+        assert f'"step": {NUM_STEPS},' in output, output[-3000:]
+    assert f"process 1: evaluating step {NUM_STEPS}, process 0's choice" in results[1][0]
+    evaluated = json.loads(path.read_text())
+    assert evaluated["num_examples"] == trained["num_examples"] == 359
+    assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
 
 
 def test_a_failure_in_one_process_ends_both_promptly(tmp_path):

@@ -599,6 +599,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     latest = step is None
     if step is None and steps:
         step = steps[-1]
+    step, steps = _process_0_choice(run, step, steps)
     if not steps:
         raise ValueError(f"{run.workdir / 'checkpoints'} holds no saved step yet: train there "
                          "first (a run stopped before its first save leaves it empty)")
@@ -614,6 +615,27 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
     return {"step": step, "split": evaluated_split(config), **result}
+
+
+def _process_0_choice(run: Run, step: int | None, steps: list[int]
+                      ) -> tuple[int | None, list[int]]:
+    """(step, steps) as every process must see them. With several processes, a run saving in
+    the workdir can show them different listings (a new latest step, a step rotated out), and
+    processes that restored different steps would make one global state of them. Process 0
+    decides: its step, added to the others' listing when they miss it (the restore then reads
+    it); or, when its check failed, ``step`` removed from theirs, so that every process
+    raises."""
+    if jax.process_count() == 1:
+        return step, steps
+    mine = step if step in steps else -1
+    chosen = int(multihost_utils.broadcast_one_to_all(np.int32(mine)))
+    if chosen < 0:   # process 0 found no step (latest) or not this one
+        return step, [] if step is None else [s for s in steps if s != step]
+    if chosen != mine:
+        logging.warning("process %d: evaluating step %d, process 0's choice (this process "
+                        "listed %s in %s)", jax.process_index(), chosen, steps or "none",
+                        run.workdir / "checkpoints")
+    return chosen, sorted({*steps, chosen})
 
 
 def _restore_for_eval(run: Run, step: int, latest: bool) -> tuple[state_lib.TrainState, int]:
