@@ -30,8 +30,8 @@ from typing import Any, Sequence
 if __package__ in (None, ""):   # `python bench/ab.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench.common import (Table, load_average, median, median_ratio, parse_options,  # noqa: E402
-                          ratio_range, timed)
+from bench.common import (Progress, Table, load_average, median, median_ratio,  # noqa: E402
+                          parse_options, ratio_range, timed)
 from bench.workloads import OursTrainer, throughput_workloads  # noqa: E402
 from posjax.training.host_memory import keep_freed_memory  # noqa: E402
 
@@ -114,12 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.ab " + " ".join(argv if argv is not None else sys.argv[1:])
     load0, t0 = load_average(), time.perf_counter()
     rows = []
+    progress = Progress("ab", [1.0] * len(chosen))
     for w in chosen:
         tb, ta = compare(w, package, before_options, after_package, after_options, args.rounds)
         rows.append([w.name, 1e3 * median(tb), 1e3 * median(ta), median_ratio(tb, ta),
                      ratio_range(tb, ta), len(tb)])
-        print(f"{w.name}: before {1e3 * median(tb):.0f} ms, after {1e3 * median(ta):.0f} ms",
-              file=sys.stderr, flush=True)
+        progress.tick(f"{w.name} (before {1e3 * median(tb):.0f} ms, after "
+                      f"{1e3 * median(ta):.0f} ms)")
     table = Table("Our train step: before / after (same process, alternating)",
                   ["model", "before ms", "after ms", "before/after", "range", "rounds"], rows,
                   [f"before = posjax at {args.before} ({package.__name__}), options "

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import Budget, Scale, Table, block, median, median_ratio, timed
+from bench.common import (Budget, Progress, Scale, Table, block, median, median_ratio,
+                          timed)
 from posjax.layers.attention import attention_weights
 from posjax.layers.disentangled import DisentangledAttention
 
@@ -134,6 +135,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     params = _params(s)
     memory: dict[tuple[int, str], float] = {}
     times: dict[tuple[int, str], list[float]] = {}
+    progress = Progress("attention", [n * n for n in s["lengths"]])   # cost grows as L²
     for length in s["lengths"]:
         if budget.left() <= 0:
             break
@@ -155,6 +157,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
             for v, compiled in runnable.items():   # alternate the variants each round
                 times[length, v].append(timed(lambda: block(compiled(params, x, table, mask, g))))
         del runnable
+        progress.tick(f"L = {length}")
     lengths = [n for n in s["lengths"] if (n, "take") in memory]
     # The shortest length, and the first beyond the table (2L − 1 > R: skew shifts, shift
     # gathers), if it is not the same.

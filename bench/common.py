@@ -7,12 +7,14 @@ BENCHMARKS.md) or JSON. Timings are wall-clock seconds of fully finished work
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import platform
 import re
 import statistics
+import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +94,34 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+
+def say(suite: str, text: str, stream: TextIO | None = None) -> None:
+    """A progress line of ``suite`` on stderr (the tables go to stdout)."""
+    print(f"[{suite}] {text}", file=stream or sys.stderr, flush=True)
+
+
+class Progress:
+    """One line on stderr as each unit of a suite's work ends: the unit, done/total, seconds
+    since the start and an ETA from the work left. ``weights`` are the units' expected costs
+    (e.g. L² per attention length), so the ETA scales with them; the budget may end a suite
+    before its last unit.
+
+        [attention] L = 1024 done (4/6), 37 s, ETA 0:02:13
+    """
+
+    def __init__(self, suite: str, weights: Sequence[float], stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.suite, self.weights, self.stream, self.clock = suite, list(weights), stream, clock
+        self.done, self.start = 0, clock()
+
+    def tick(self, unit: str) -> None:
+        self.done = min(self.done + 1, len(self.weights))
+        elapsed = self.clock() - self.start
+        spent, left = sum(self.weights[:self.done]), sum(self.weights[self.done:])
+        eta = datetime.timedelta(seconds=round(elapsed * left / spent)) if spent > 0 else "?"
+        say(self.suite, f"{unit} done ({self.done}/{len(self.weights)}), {elapsed:.0f} s, "
+            f"ETA {eta}", self.stream)
 
 
 def block(x: Any) -> Any:

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from bench.common import Budget, Scale, Table, median_ratio, ratio_range, timed
+from bench.common import Budget, Progress, Scale, Table, median_ratio, ratio_range, timed
 from bench.workloads import (LEARNING_RATE, WEIGHT_DECAY, OursTrainer, Workload, build_model,
                              make_batch, make_train_step, text_config, throughput_workloads)
 from posjax import TextConfig
@@ -42,6 +42,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     text_scale = "smoke" if scale.smoke else "gpu"          # base width
     dtype = scale.dtype
     rows = []
+    progress = Progress("compile", [layers for layers in depths for _ in (False, True)])
     for layers in depths:
         row = [layers]
         for scan in (False, True):
@@ -52,6 +53,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
                               scan_layers=scan)
             row.append(compile_seconds(Workload("compile", cfg, batch=8, length=128),
                                       scale.compiler_options))
+            progress.tick(f"{layers} layers, {'scanned' if scan else 'unrolled'}")
         rows.append(row)
     notes = ["Seconds for lower + compile of jit(value_and_grad + AdamW), donated state."]
     if any(v is None for row in rows for v in row):
@@ -65,7 +67,9 @@ def step_table(scale: Scale, budget: Budget) -> Table:
     stepped alternately (one warm-up step each; the order flips every round)."""
     rows = []
     text = [w for w in throughput_workloads(scale.name, scale.dtype) if w.is_text]
-    for w in text[:1] if scale.smoke else text:
+    text = text[:1] if scale.smoke else text
+    progress = Progress("compile", [1.0] * len(text))
+    for w in text:
         if budget.left() <= 0:
             break
         scanned = dataclasses.replace(w, cfg=dataclasses.replace(w.cfg, scan_layers=True))
@@ -80,6 +84,7 @@ def step_table(scale: Scale, budget: Budget) -> Table:
         rows.append([w.name, 1000 * min(times[0]), 1000 * min(times[1]),
                      median_ratio(times[1], times[0]), ratio_range(times[1], times[0]),
                      scale.runs])
+        progress.tick(f"{w.name}, scanned vs unrolled steps")
     return Table("Train-step time with scan-over-layers (same process, alternating)",
                  ["model", "unrolled ms (min)", "scanned ms (min)", "scanned/unrolled",
                   "range", "rounds"], rows,

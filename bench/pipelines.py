@@ -14,7 +14,7 @@ import pathlib
 import tempfile
 import time
 
-from bench.common import Budget, Scale, Table
+from bench.common import Budget, Progress, Scale, Table
 from bench.workloads import throughput_workloads
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -83,6 +83,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     consumed = context.get("train_examples_per_s", {})
     batches, seconds = (3, 5.0) if scale.smoke else (200, 20.0)
     rows = []
+    progress = Progress("pipelines", [1.0, 1.0])
     with tempfile.TemporaryDirectory() as tmp:
         for kind, w, make in (("image", vit, lambda: image_pipeline(scale, vit.cfg.image_size[0],
                                                                      vit.batch)),
@@ -96,6 +97,7 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
             need = consumed.get(w.name)
             rows.append([kind, what, w.batch, rate, w.name, need,
                          rate / need if need else None])
+            progress.tick(f"{kind} pipeline ({rate:.0f} examples/s)")
     notes = ["headroom = pipeline examples/s ÷ train-step examples/s (> 1: the step, not the "
              "input, is the bottleneck), one process, no worker processes.",
              "train ex/s comes from the throughput suite in the same invocation (— if it "

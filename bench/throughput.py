@@ -11,8 +11,8 @@ import gc
 import traceback
 from typing import Any
 
-from bench.common import (Budget, Scale, Table, measure_peak_flops, median, median_ratio,
-                          one_line_error, ratio_range, timed)
+from bench.common import (Budget, Progress, Scale, Table, measure_peak_flops, median,
+                          median_ratio, one_line_error, ratio_range, say, timed)
 from bench.workloads import HFTrainer, OursTrainer, Workload, throughput_workloads, train_flops
 
 SPEEDUP_TITLE = "Train-step throughput: ours vs Hugging Face"
@@ -55,6 +55,8 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
 def _measure_group(group: list[Workload], scale: Scale, budget: Budget
                    ) -> dict[str, dict[str, Any]]:
     """Build every model of ``group`` in both frameworks, warm up, then ``scale.runs`` rounds."""
+    names = ", ".join(w.name for w in group)
+    say("throughput", f"{names}: building, compiling and a warm-up step, ours and HF")
     ours = {w.name: OursTrainer(w, compiler_options=scale.compiler_options) for w in group}
     flagged = {w.name: OursTrainer(w, compiler_options=_with_options(scale)) for w in group
                } if scale.xla_options else {}
@@ -74,11 +76,13 @@ def _measure_group(group: list[Workload], scale: Scale, budget: Budget
     for _, trainer in order:        # warm-up step (first-call allocations, torch autotuning)
         trainer.step()
     times: dict[str, list[float]] = {name: [] for name, _ in order}
+    progress = Progress("throughput", [1.0] * scale.runs)
     for r in range(scale.runs):
         if r >= 2 and budget.left() <= 0:
             break
         for name, trainer in order:
             times[name].append(timed(trainer.step))
+        progress.tick(f"{names}: round {r + 1}")
     out = {}
     for w in group:
         o, h = ours[w.name], hf[_hf_key(w)]

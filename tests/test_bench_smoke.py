@@ -1,23 +1,34 @@
 """The benchmark entry point in smoke mode: every suite runs at tiny sizes and reports sane
 numbers; bad command lines fail before anything runs."""
+import contextlib
+import io
 import json
 import math
 import pathlib
+import re
 import time
 
 import pytest
 
 from bench import run as bench_run
 from bench.attention import VARIANTS, max_abs_difference, settings
-from bench.common import Budget, Scale
+from bench.common import Budget, Progress, Scale
 from bench.workloads import forward_flops, throughput_workloads
 
 
 @pytest.fixture(scope="module")
-def smoke_out(tmp_path_factory):
+def smoke_run(tmp_path_factory):
+    """(report path, stderr) of the whole smoke run."""
     out = tmp_path_factory.mktemp("bench") / "smoke.json"
-    assert bench_run.main(["--smoke", "--out", str(out)]) == 0
-    return out
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert bench_run.main(["--smoke", "--out", str(out)]) == 0
+    return out, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def smoke_out(smoke_run):
+    return smoke_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +46,29 @@ def test_every_suite_reports(smoke_report):
     assert smoke_report["command"].startswith("python -m bench --smoke --out ")
     for entry in smoke_report["suites"]:
         assert entry["tables"] and all(t["rows"] for t in entry["tables"]), entry["suite"]
+
+
+def test_every_suite_shows_its_progress_to_the_end(smoke_run):
+    lines = smoke_run[1].splitlines()
+    for suite in bench_run.SUITES:
+        ticks = [ln for ln in lines if ln.startswith(f"[{suite}] ") and " done (" in ln]
+        assert ticks and all(re.search(r" done \(\d+/\d+\), \d+ s, ETA \d+:\d\d:\d\d$", ln)
+                             for ln in ticks), (suite, ticks)
+        done, total = re.search(r"\((\d+)/(\d+)\)", ticks[-1]).groups()
+        assert done == total, ticks[-1]
+    assert sum("building, compiling" in ln for ln in lines) == 2     # text group, ViT
+
+
+def test_progress_eta_scales_with_the_work_left():
+    clock = iter([100.0, 110.0, 140.0, 141.0])
+    out = io.StringIO()
+    progress = Progress("attention", [1, 3, 0], stream=out, clock=lambda: next(clock))
+    for length in (8, 16, 32):
+        progress.tick(f"L = {length}")
+    assert out.getvalue().splitlines() == [
+        "[attention] L = 8 done (1/3), 10 s, ETA 0:00:30",
+        "[attention] L = 16 done (2/3), 40 s, ETA 0:00:00",
+        "[attention] L = 32 done (3/3), 41 s, ETA 0:00:00"]
 
 
 def test_throughput_numbers_are_finite_and_paired(smoke_report):
