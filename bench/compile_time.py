@@ -42,7 +42,8 @@ def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     text_scale = "smoke" if scale.smoke else "gpu"          # base width
     dtype = scale.dtype
     rows = []
-    progress = Progress("compile", [layers for layers in depths for _ in (False, True)])
+    # Unrolled compile time grows with depth; scanned compiles one layer body at any depth.
+    progress = Progress("compile", [w for layers in depths for w in (layers, depths[0])])
     for layers in depths:
         row = [layers]
         for scan in (False, True):
