@@ -438,7 +438,7 @@ def vit(p: Params, cfg, images: np.ndarray) -> np.ndarray:
     for i in range(cfg.num_layers):
         x = pre_ln_layer(p["encoder"][f"layer_{i}"], cfg, x, visible, terms, query_coords, coords)
     x = layer_norm(x, p["encoder_norm"], cfg.layer_norm_eps)
-    if cfg.pooling == "token":
+    if cfg.pooling in ("token", "first"):   # [CLS], or the first patch (no [CLS])
         x = x[:, 0]
     elif cfg.pooling == "gap":
         x = x.mean(1)

@@ -79,6 +79,25 @@ def test_cli_npz_with_new_resolution(tmp_path):
     assert restored["pos_embedding"].shape == (1, 1 + 36, 16)
 
 
+def test_cli_pooling_first_for_big_vision_pool_type_0(tmp_path, capsys):
+    """``--pooling first`` records big_vision's pool_type='0' in model_config.json; on a file
+    whose arrays say [CLS] pooling it fails and writes nothing."""
+    from test_convert_npz import big_vision_arrays, random_params
+    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_heads=2, num_layers=1,
+                    mlp_dim=16, num_classes=3, pooling="gap")
+    np.savez(tmp_path / "bv.npz", **big_vision_arrays(random_params(cfg, 0)))
+    assert main(["--from", str(tmp_path / "bv.npz"), "--to", str(tmp_path / "out"),
+                 "--pooling", "first"]) == 0
+    meta = json.loads((tmp_path / "out" / "model_config.json").read_text())
+    assert ViTConfig.from_dict(meta["config"]).pooling == "first"
+    token = ViTConfig(**{**meta["config"], "pooling": "token"})
+    np.savez(tmp_path / "tok.npz", **big_vision_arrays(random_params(token, 1)))
+    assert main(["--from", str(tmp_path / "tok.npz"), "--to", str(tmp_path / "never"),
+                 "--pooling", "first"]) == 2
+    assert "pooling='first' does not fit" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
 def test_train_workdir_exported_for_transformers(tmp_path):
     """A fine-tuned GLUE run (train.py layout: config.json with task/model, and
     checkpoints/<step>/state holding the train state) is served by transformers. Sequences stay

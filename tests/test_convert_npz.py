@@ -5,6 +5,8 @@ big_vision's naming give what big_vision's model computes (a float64 numpy forwa
 from its code's order of operations)."""
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ import scipy.ndimage
 
 import ml_dtypes
 import reference
-from posjax.convert import load_pretrained
+from posjax.convert import load_pretrained, save_checkpoint
 from posjax.convert.mapping import flatten
 from posjax.convert.pretrained import Pretrained, resize_vit
 from posjax.models.config import ViTConfig
@@ -166,9 +168,11 @@ def big_vision_arrays(params: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def big_vision_forward(arrays: dict, images: np.ndarray, num_heads: int) -> np.ndarray:
+def big_vision_forward(arrays: dict, images: np.ndarray, num_heads: int,
+                       pool_type: str = "") -> np.ndarray:
     """big_vision's ViT in float64, in its order: patches + table, then [CLS] (when there is
-    one), pre-LN blocks, encoder_norm, pooling ([CLS], MAP head or mean), tanh pre_logits, head."""
+    one), pre-LN blocks, encoder_norm, pooling ([CLS], MAP head, the first row for
+    ``pool_type='0'``, else the mean), tanh pre_logits, head."""
     a = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
     gelu = reference.ACTIVATIONS["gelu_tanh"]
 
@@ -209,6 +213,8 @@ def big_vision_forward(arrays: dict, images: np.ndarray, num_heads: int) -> np.n
         probe = np.broadcast_to(a["MAPHead_0/probe"], (x.shape[0], 1, x.shape[2]))
         y = attention("MAPHead_0/MultiHeadDotProductAttention_0", probe, x)
         x = (y + mlp(norm(y, "MAPHead_0/LayerNorm_0"), "MAPHead_0/MlpBlock_0"))[:, 0]
+    elif pool_type == "0":
+        x = x[:, 0]
     else:
         x = x.mean(1)
     if "pre_logits/kernel" in a:
@@ -223,6 +229,8 @@ BIG_VISION_CASES = {
     # pool_type='map' (the SigLIP / So400m image towers), as one tower of a two-tower file.
     "map_tower": dict(image_size=24, patch_size=4, pooling="map", num_classes=16),
     "gap": dict(image_size=16, patch_size=4, pooling="gap", num_classes=3),
+    # pool_type='0': the first patch's row; the arrays are those of 'gap' (pooling='first').
+    "pool_type_0": dict(image_size=16, patch_size=4, pooling="first", num_classes=3),
     # scan=True: the blocks stacked as one Transformer/encoderblock with a leading layer axis.
     "gap_scanned": dict(image_size=16, patch_size=4, pooling="gap", num_classes=3),
 }
@@ -257,13 +265,31 @@ def test_big_vision_npz_computes_what_big_vision_does(case, tmp_path):
         saved = arrays
     np.savez(str(path).split(":")[0], **saved)
 
-    pre = load_pretrained(path)
+    pre = load_pretrained(path, pooling="first" if case == "pool_type_0" else None)
     assert pre.config == cfg and pre.task == "classification"
     images = np.random.default_rng(0).normal(size=(2, *cfg.image_size, 3)).astype(np.float32)
     ours = ViT(pre.config).apply({"params": pre.params}, images)
     want = big_vision_forward({k: np.asarray(v, np.float32) for k, v in arrays.items()},
-                              images, cfg.num_heads)
+                              images, cfg.num_heads, "0" if case == "pool_type_0" else "")
     np.testing.assert_allclose(np.asarray(ours, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pooling_first_is_only_for_npz_that_look_like_gap(tmp_path):
+    """Without ``pooling`` a pool_type='0' file loads as GAP (its arrays are GAP's); 'first'
+    is refused where the arrays say [CLS] or MAP, and for sources that are not .npz."""
+    gap = ViTConfig(**SMALL, image_size=16, patch_size=4, pooling="gap", num_classes=3)
+    np.savez(tmp_path / "gap.npz", **big_vision_arrays(random_params(gap, seed=1)))
+    assert load_pretrained(tmp_path / "gap.npz").config.pooling == "gap"
+    assert load_pretrained(tmp_path / "gap.npz", pooling="gap").config.pooling == "gap"
+    tok = dataclasses.replace(gap, pooling="token")
+    np.savez(tmp_path / "tok.npz", **big_vision_arrays(random_params(tok, seed=2)))
+    with pytest.raises(ValueError, match=r"tok\.npz: pooling='first' does not fit the "
+                                         r"checkpoint, whose arrays say 'token' \(it has a "
+                                         r"'cls' token\)"):
+        load_pretrained(tmp_path / "tok.npz", pooling="first")
+    save_checkpoint(load_pretrained(tmp_path / "gap.npz"), tmp_path / "posjax")
+    with pytest.raises(ValueError, match=r"pooling='first' applies to ViT \.npz files only"):
+        load_pretrained(tmp_path / "posjax", pooling="first")
 
 
 def test_old_big_vision_table_with_a_cls_row(tmp_path):

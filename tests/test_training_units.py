@@ -57,8 +57,9 @@ def _matmul_flops(jaxpr) -> float:
     {"position_scheme": "tupe_r"},
     # A one-row grid: both axes' indices are Toeplitz, but only text takes the relative shift.
     {"position_scheme": "deberta", "pooling": "gap", "image_size": (4, 16), "gather": "skew"},
+    {"position_scheme": "deberta", "pooling": "first"},
 ], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid", "tupe_r_token",
-        "deberta_one_row_grid"])
+        "deberta_one_row_grid", "deberta_first_patch"])
 def test_analytic_flops_equal_the_traced_matmuls(overrides):
     """A batch of 3 images: B · per_example + per_step equals the traced model's matmuls (the
     position tables of TUPE and DeBERTa are computed once per batch, not per image)."""

@@ -15,8 +15,8 @@ Sources:
   ViTForImageClassification.
 - Official vit_jax ``.npz`` files (ViT-B/16 … H/14, R50+ViT-B/16; with or without pre_logits;
   the ``opt/target/`` variant) and big_vision ViT ``.npz`` files ([CLS], GAP or MAP pooling,
-  learned positions; ``params/`` training checkpoints; one tower of a two-tower checkpoint
-  as ``file.npz:img``).
+  or the first patch's row with ``pooling='first'``; learned positions; ``params/`` training
+  checkpoints; one tower of a two-tower checkpoint as ``file.npz:img``).
 - Folders written by ``save_checkpoint`` (model_config.json + params/), and train.py workdirs
   (the latest checkpoint's params), e.g. to export a fine-tuned model for transformers.
 
@@ -55,14 +55,16 @@ def _npz_submodel(path: str | pathlib.Path) -> tuple[str | pathlib.Path, str | N
 
 def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
                     image_size: int | tuple[int, int] | None = None,
-                    resample: str | None = None) -> Pretrained:
+                    resample: str | None = None, pooling: str | None = None) -> Pretrained:
     """Checkpoint folder or file -> Pretrained(config, params, kind, task).
 
     task: None keeps the checkpoint's head (a head posjax has no module for, e.g. HF's token
     classifier or QA head, is refused); 'encoder' drops it; 'mlm'/'classification' demand
     it. image_size (ViT): resample the position table to this resolution with ``resample``
     ('bilinear', the vit_jax choice and default for .npz/posjax; 'bicubic', the HF/timm choice
-    and default for HF folders). Any problem raises one ValueError naming the file and tensor.
+    and default for HF folders). pooling (.npz only): 'first' reads a big_vision model trained
+    with ``pool_type='0'``, which the arrays cannot tell from 'gap'. Any problem raises one
+    ValueError naming the file and tensor.
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not valid: choose one of {TASKS}")
@@ -70,8 +72,12 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
         raise ValueError(f"resample={resample!r} needs image_size (the target resolution)")
     path, submodel = _npz_submodel(path)
     path = local_path(path, "path")
-    if path.is_file() and path.suffix == ".npz":
-        pre = vit_npz.import_npz(read_npz(path), str(path), task, submodel)
+    is_npz = path.is_file() and path.suffix == ".npz"
+    if pooling is not None and not is_npz:
+        raise ValueError(f"pooling={pooling!r} applies to ViT .npz files only, whose arrays "
+                         f"cannot tell 'first' from 'gap'; {path} is not one: leave it unset")
+    if is_npz:
+        pre = vit_npz.import_npz(read_npz(path), str(path), task, submodel, pooling)
         default_method = "bilinear"
     elif path.is_dir() and ((path / MODEL_CONFIG).is_file() or is_train_workdir(path)):
         pre = load_checkpoint(path) if (path / MODEL_CONFIG).is_file() else \

@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resample", choices=("bilinear", "bicubic"), default=None,
                    help="position-table interpolation (default: bilinear for .npz as vit_jax, "
                         "bicubic for HF folders as HF/timm)")
+    p.add_argument("--pooling", choices=("first",), default=None,
+                   help="big_vision .npz trained with pool_type='0' (the first patch's row): "
+                        "its arrays look like GAP pooling, which is assumed without this")
     args = p.parse_args(argv)
     if args.image_size is not None and len(args.image_size) not in (1, 2):
         p.error(f"--image-size takes N or H W, got {args.image_size}")
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         local_path(args.source, "--from")      # URLs: named as the command line does
         new_destination(args.dest, "--to")     # before a read that may take minutes
         pre = load_pretrained(args.source, task=args.task, image_size=size,
-                              resample=args.resample)
+                              resample=args.resample, pooling=args.pooling)
         write = export_hf if args.format == "hf" else save_checkpoint
         dest = write(pre, args.dest)
     except ValueError as e:

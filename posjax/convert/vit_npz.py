@@ -20,9 +20,10 @@ holds one ViT per tower (``img/``), chosen as ``file.npz:img``. Models with fixe
 positions (``posemb='sincos2d'``: no table) are refused.
 
 The npz holds no config: shapes give sizes, counts give depth and stages, ``cls`` present means
-[CLS] pooling, a MAP head MAP pooling, else global average pooling (big_vision's
-``pool_type='0'``, row 0 without [CLS], has the same parameters as 'gap' and cannot be told
-apart). Both codes use tanh GELU and LayerNorm eps 1e-6.
+[CLS] pooling, a MAP head MAP pooling, else global average pooling. big_vision's
+``pool_type='0'`` (the first patch's row, no [CLS]) has the same parameters as 'gap' and cannot
+be told apart from it: ``pooling='first'`` says so. Both codes use tanh GELU and LayerNorm eps
+1e-6.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ VIT_JAX = Layout("vit_jax", "Transformer/posembed_input/pos_embedding",
 BIG_VISION = Layout("big_vision", "pos_embedding", "MultiHeadDotProductAttention_0",
                     "LayerNorm_0", "LayerNorm_1", "MlpBlock_0")
 _MAP = "MAPHead_0/"
+_POOLING_EVIDENCE = {"token": "it has a 'cls' token", "map": f"it has {_MAP}probe",
+                     "gap": "no 'cls' token, no MAP head"}
 
 
 def strip_optimizer_prefix(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
@@ -264,16 +267,24 @@ def npz_links(cfg: ViTConfig, names: set[str], layout: Layout, cls_row: bool
 
 
 def import_npz(arrays: Mapping[str, np.ndarray], source: str, task: str | None = None,
-               submodel: str | None = None) -> Pretrained:
+               submodel: str | None = None, pooling: str | None = None) -> Pretrained:
     """vit_jax or big_vision npz arrays -> Pretrained at the checkpoint's resolution.
     ``submodel``: the tower of a two-tower checkpoint (``img``). task='encoder' drops ``head``
-    (and keeps ``pre_logits``)."""
+    (and keeps ``pre_logits``). ``pooling``: None reads it from the arrays; 'first' for a
+    big_vision model trained with ``pool_type='0'`` (its arrays look like 'gap')."""
     arrays, ignored = strip_optimizer_prefix(arrays)
     arrays = unstack_scanned_blocks(select_submodel(arrays, submodel, source))
     layout = detect_layout(set(arrays), source)
     if layout is BIG_VISION:
         arrays = _table_at_the_top(arrays)
     cfg = config_from_npz(arrays, source, layout)
+    if pooling not in (None, cfg.pooling):
+        if {pooling, cfg.pooling} != {"gap", "first"}:
+            raise ValueError(
+                f"{source}: pooling={pooling!r} does not fit the checkpoint, whose arrays say "
+                f"{cfg.pooling!r} ({_POOLING_EVIDENCE[cfg.pooling]}); only a 'gap' checkpoint "
+                "may be read as 'first' (big_vision's pool_type='0'): leave pooling unset")
+        cfg = dataclasses.replace(cfg, pooling=pooling)
     if task not in (None, "classification", "encoder"):
         raise ValueError(f"task={task!r} is not valid for a ViT checkpoint: use 'classification' "
                          "or 'encoder'")

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "deberta", "deberta_v2")
 VIT_SCHEMES = ("vit",) + TEXT_SCHEMES
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
-POOLINGS = ("token", "gap", "map")
+POOLINGS = ("token", "first", "gap", "map")
 DTYPES = ("float32", "bfloat16", "float16")
 # DeBERTa's relative-position gather (posjax.layers.disentangled.position_logits): take_along_axis,
 # one-hot einsum, the relative shift where it is the cheaper product (2L − 1 <= 2k), or the
@@ -201,7 +201,7 @@ class ViTConfig:
     num_layers: int = 12
     mlp_dim: int = 3072
     num_classes: int = 1000              # 0: no head (returns pooled features)
-    pooling: str = "token"               # token ([CLS]) | gap | map
+    pooling: str = "token"               # token ([CLS]) | first (patch 0, no [CLS]) | gap | map
     representation_size: int = 0         # >0: pre_logits dense + tanh
     hidden_act: str = "gelu_tanh"        # official vit_jax: tanh GELU; HF: exact ("gelu")
     layer_norm_eps: float = 1e-6         # official vit_jax 1e-6; HF 1e-12
@@ -249,7 +249,7 @@ class ViTConfig:
         if self.position_scheme in ("deberta", "deberta_v2"):
             _check(self.pooling != "token", "pooling", self.pooling,
                    "DeBERTa relative positions are defined between patches only; "
-                   "use pooling='gap' or 'map' (no [CLS] token)")
+                   "use pooling='first', 'gap' or 'map' (no [CLS] token)")
         _check(self.num_channels > 0, "num_channels", self.num_channels, "must be > 0")
         if self.resnet_layers:
             _check(all(_is_int(n) and n > 0 for n in self.resnet_layers),
@@ -273,6 +273,12 @@ class ViTConfig:
         s = self.stem_stride
         return (self.image_size[0] // (self.patch_size[0] * s),
                 self.image_size[1] // (self.patch_size[1] * s))
+
+    @property
+    def pools_row_0(self) -> bool:
+        """The pooling reads the encoder's row 0 alone: [CLS] ('token') or the first patch
+        ('first', big_vision's ``pool_type='0'``)."""
+        return self.pooling in ("token", "first")
 
     @property
     def num_tokens(self) -> int:

@@ -137,9 +137,9 @@ class ViT(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         token_mask = jnp.ones(x.shape[:2], bool)
         x = Encoder(cfg, pre_ln=True, grid=(gh, gw), has_cls=has_cls, name="encoder")(
-            x, token_mask, train=train, first_only=has_cls)   # 'token' pooling reads row 0
+            x, token_mask, train=train, first_only=cfg.pools_row_0)
         x = layer_norm(cfg.layer_norm_eps, name="encoder_norm", dtype=dtype)(x)
-        if cfg.pooling == "token":
+        if cfg.pools_row_0:
             x = x[:, 0]
         elif cfg.pooling == "gap":
             x = jnp.mean(x, axis=1)

@@ -70,8 +70,8 @@ def attention_layer_flops(tokens: int, hidden: int, mlp_dim: int,
 def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
                    first_only: bool = False) -> Flops:
     """Matmul FLOPs of the position terms over the whole forward (all layers); with
-    ``first_only`` DeBERTa's last layer takes the T table rows of token 0's pairs per term
-    (2·T·H per example) instead of the product with all R rows."""
+    ``first_only`` DeBERTa's last layer takes the T table rows of token 0's pairs per term and
+    position axis (axes·2·T·H per example) instead of the product with all R rows."""
     h = cfg.hidden_size
     scheme = cfg.position_scheme
     if scheme in ("tupe_a", "tupe_r"):
@@ -88,7 +88,7 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         full_layers = cfg.num_layers - 1 if first_only else cfg.num_layers
         per_example = full_layers * per_layer * 2.0 * tokens * product_rows * h
         if first_only:
-            per_example += per_layer * 2.0 * tokens * h
+            per_example += per_layer * axes * 2.0 * tokens * h
         return Flops(per_example=per_example, per_step=terms * 2.0 * rows * h * h)
     return Flops()
 
@@ -147,8 +147,8 @@ def resnet_stem_flops(cfg: ViTConfig) -> float:
 
 def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
     """Forward FLOPs through ``posjax.models.vit.ViT`` (per image + per step); with 'token'
-    pooling the last layer computes [CLS] alone, as the model runs (``first_only=False``:
-    every row, as implementations without that shortcut do)."""
+    pooling (and 'first') the last layer computes row 0 alone, as the model runs
+    (``first_only=False``: every row, as implementations without that shortcut do)."""
     h = cfg.hidden_size
     per_image = resnet_stem_flops(cfg) + patch_embedding_flops(cfg)
     t = cfg.num_tokens
@@ -162,7 +162,7 @@ def vit_forward_flops(cfg: ViTConfig, first_only: bool = True) -> Flops:
     per_image += 2.0 * features * cfg.num_classes
     return Flops(per_example=per_image) + encoder_forward_flops(
         cfg, t, axes=2,
-        first_only=first_only and cfg.pooling == "token" and can_run_first_only(cfg))
+        first_only=first_only and cfg.pools_row_0 and can_run_first_only(cfg))
 
 
 def patch_embedding_flops(cfg: ViTConfig) -> float:
