@@ -7,6 +7,12 @@ where it reads its data and on which devices (mesh, batch sizes, data paths and 
 refused. It evaluates the latest checkpoint (or --step) on data.test_split and writes
 DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json; another
 --config.data.test_split writes its own file).
+
+    python eval.py --config configs/X.py --config.init_from=CKPT --workdir NEW_DIR
+
+evaluates pretrained weights as they are (a converter folder or another run's workdir) on the
+recipe's data, as step 0 (NEW_DIR/checkpoints/eval_0_<split>.json): every parameter of the
+model must come from CKPT, heads included, and config.model must compute what CKPT's model did.
 """
 import json
 import pathlib

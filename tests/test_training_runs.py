@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import re
 import shutil
 import sys
 import time
@@ -121,6 +122,46 @@ def test_eval_reproduces_the_training_eval(runs):
     assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
     with pytest.raises(ValueError, match="no such checkpoint"):
         loop.evaluate(config, straight, step=5)
+
+
+def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
+    """eval.py with config.init_from in a workdir that is not a run's evaluates those weights
+    as they are, as step 0: a finished run's give its own final metrics. Weights that would
+    not fill the model (a head on another layer), another pooling or a --step are one error each, before
+    anything is written; a run's workdir without a checkpoint is still refused."""
+    config, straight, _, _ = runs
+    pretrained = syn.tiny_config(init_from=str(straight))
+    result = loop.evaluate(pretrained, tmp_path / "eval")
+    assert result == {**json.loads(loop.eval_file(straight, 6, "test").read_text()), "step": 0}
+    assert json.loads(loop.eval_file(tmp_path / "eval", 0, "test").read_text()) == result
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["checkpoints"]
+    refused = {
+        "a pre_logits layer": ({"model.representation_size": 8}, 0, re.escape(
+            "eval.py evaluates these weights as they are, but 3 parameter(s) of this model "
+            "would keep a random init: ['head']['kernel'], ['pre_logits']['bias'], "
+            "['pre_logits']['kernel']. Give config.model the pretrained model's heads")),
+        "another pooling": ({"model.pooling": "gap"}, 0, re.escape(
+            "has pooling='token' where this run's config.model has pooling='gap'")),
+        "a step": ({}, 2, r"step=2: .*holds no saved step; without --step eval.py evaluates "
+                          r"config.init_from's weights \(as step 0\)"),
+    }
+    for name, (overrides, step, match) in refused.items():
+        with pytest.raises(ValueError, match=match):
+            loop.evaluate(syn.tiny_config(init_from=str(straight), **overrides),
+                          tmp_path / name, step=step or None)
+        assert not (tmp_path / name).exists(), name
+    _, export = _export(syn.tiny_config(**{"model.representation_size": 8}), tmp_path)
+    with pytest.raises(ValueError, match=re.escape(
+            "1 parameter(s) of this model would keep a random init: ['head']['kernel']; "
+            "2 parameter(s) of the checkpoint would be left out: ['pre_logits']['bias'], "
+            "['pre_logits']['kernel']. Give")):
+        loop.evaluate(syn.tiny_config(init_from=str(export)), tmp_path / "left_over")
+    assert not (tmp_path / "left_over").exists()
+    run_without_checkpoint = tmp_path / "run"
+    (run_without_checkpoint / "checkpoints").mkdir(parents=True)
+    shutil.copy(straight / loop.CONFIG_FILE, run_without_checkpoint / loop.CONFIG_FILE)
+    with pytest.raises(ValueError, match="holds no saved step yet: train there first"):
+        loop.evaluate(pretrained, run_without_checkpoint)
 
 
 def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):

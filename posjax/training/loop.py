@@ -327,16 +327,7 @@ def saved_steps(workdir: pathlib.Path) -> list[int]:
 def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
     """Writable, and not holding a checkpointed run of another config (a ``config.json`` left
     by a run that stopped before its first checkpoint is replaced: nothing depends on it)."""
-    existing = workdir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"workdir {str(workdir)!r}: {str(existing)!r} is a file, not a "
-                         "directory; choose another --workdir")
-    why = _cannot_write_in(existing)
-    if why:
-        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
-                         f"{why}); choose a directory you can write to")
+    check_writable(workdir)
     check_entries(workdir, TRAIN_ENTRIES)
     if not saved_steps(workdir):
         check_fresh_start(workdir, config)
@@ -353,6 +344,20 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "
             "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
             + "\nUse a new --workdir (or delete this one to start over).")
+
+
+def check_writable(workdir: pathlib.Path) -> None:
+    """A directory (or a path to create one at) that this process can write in."""
+    existing = workdir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"workdir {str(workdir)!r}: {str(existing)!r} is a file, not a "
+                         "directory; choose another --workdir")
+    why = _cannot_write_in(existing)
+    if why:
+        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
+                         f"{why}); choose a directory you can write to")
 
 
 # What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
@@ -504,20 +509,34 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     task.validate()
     mesh = mesh_lib.build_mesh(config.mesh)
     validate_batch(config, mesh)
+    pretrained = evaluates_init_from(config, workdir, training)
     if training:
         check_workdir(workdir, config)
+    elif pretrained:
+        check_writable(workdir)
+        check_entries(workdir, EVAL_ENTRIES)
     elif not (workdir / "checkpoints").is_dir():
-        raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first")
+        raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first "
+                         "(or give config.init_from to evaluate pretrained weights)")
     else:
         check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
         check_eval_config(workdir, config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
-    if training and config.init_from and not saved_steps(workdir):   # read by a fresh start
+    if (training and config.init_from and not saved_steps(workdir)) or pretrained:
         state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
-                                  task.model_config)
+                                  task.model_config, whole=pretrained)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings)
+
+
+def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
+                        training: bool) -> bool:
+    """eval.py on ``config.init_from``'s weights as they are (reported as step 0): set, and
+    ``workdir`` is not a run's (no checkpoint, no ``config.json``: a run is evaluated on its
+    own checkpoints)."""
+    return (not training and bool(config.init_from) and not saved_steps(workdir)
+            and not os.path.lexists(workdir / CONFIG_FILE))
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -593,8 +612,17 @@ def read_eval(run: Run, step: int) -> dict[str, float] | None:
 @signals_to_receiver_thread()   # input workers never die of a group SIGTERM
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
-    """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON."""
+    """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON.
+    In a workdir without checkpoints, ``config.init_from``'s weights are evaluated as they
+    are, as step 0 (a published model under a recipe's data, e.g. to check it before
+    fine-tuning)."""
     run = prepare(config, workdir, training=False)
+    if evaluates_init_from(config, run.workdir, False):
+        if step not in (None, 0):
+            raise ValueError(f"step={step}: {run.workdir / 'checkpoints'} holds no saved step; "
+                             "without --step eval.py evaluates config.init_from's weights "
+                             "(as step 0)")
+        return _evaluate_init_from(run)
     steps = saved_steps(run.workdir)
     latest = step is None
     if step is None and steps:
@@ -615,6 +643,25 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
     return {"step": step, "split": evaluated_split(config), **result}
+
+
+def _evaluate_init_from(run: Run) -> dict[str, float]:
+    """``evaluate`` on the weights of ``config.init_from`` (``prepare`` checked that they fill
+    the whole model), written as step 0."""
+    pipe = run.make_eval_pipeline()     # data errors before the first compile
+    state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
+                                 run.config.seed)
+    state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
+                                     run.task.patch_grid)
+    if run.is_main:
+        (run.workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    eval_step = steps_lib.make_eval_step(run.task, run.model)
+    with run.context():
+        result = run_evaluation(run, state.params, eval_step, pipe.iterator,
+                                run.workdir / "predictions" / "step_0")
+    path = write_eval(run, 0, result)
+    logging.info("eval of %s: %s (written to %s)", run.config.init_from, result, path)
+    return {"step": 0, "split": evaluated_split(run.config), **result}
 
 
 def _process_0_choice(run: Run, step: int | None, steps: list[int]

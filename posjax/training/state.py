@@ -126,12 +126,16 @@ def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str,
 
 
 def check_init_from(path: str | pathlib.Path, target_params: Any,
-                    grid: tuple[int, int] | None = None, model_config: Any = None) -> None:
+                    grid: tuple[int, int] | None = None, model_config: Any = None,
+                    whole: bool = False) -> None:
     """Raise one ValueError when no encoder parameter saved at ``path`` would be loaded into
     a model with ``target_params`` (abstract shapes are enough): e.g. a text checkpoint for a
     ViT, or another model width; or when this run's ``model_config`` (a TextConfig /
     ViTConfig) would compute another function with the same parameters than the model saved
-    there (``function_mismatches``). Reads only the checkpoint's metadata and config."""
+    there (``function_mismatches``). ``whole`` (eval.py on the pretrained weights): every
+    parameter must load, heads included (a position table may be resampled), none may be left
+    over, and a ViT must pool as the saved one. Reads only the checkpoint's metadata and
+    config."""
     params_dir, cfg_file = pretrained_location(path)
     saved = _saved_tree(path, params_dir)["params"]
     saved_cfg = _pretrained_config(cfg_file)
@@ -139,7 +143,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     with_pooler = "pooler" in saved   # a text classifier's: its activation then matters
     # A train.py run left out only fields at their defaults; a model_config.json may be partial.
     mismatches = (function_mismatches(saved_model, model_config, with_pooler,
-                                      missing_are_defaults=cfg_file.name == "config.json")
+                                      missing_are_defaults=cfg_file.name == "config.json",
+                                      heads=whole)
                   if model_config else [])
     if mismatches:
         theirs = ", ".join(f"{f}={value!r}" for f, value, _ in mismatches)
@@ -165,6 +170,9 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
         return saved_shape == shape or _resampling(key, saved_shape, shape, grid,
                                                    num_prefix_tokens, saved_cfg) is not None
 
+    if whole:
+        _check_whole(path, cfg_file, [k for k in target if not (k in shapes and fits(k))],
+                     sorted(set(shapes) - set(target)))
     if any(key in shapes and fits(key) for key in encoder):
         return
     scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
@@ -173,6 +181,25 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
         f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
         f"encoder{scheme}: give config.model the pretrained model's "
         f"architecture (see {cfg_file.name} there), or start without init_from")
+
+
+def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: list[str],
+                 left_over: list[str], shown: int = 5) -> None:
+    """One ValueError when evaluating the weights at ``path`` as they are would run parameters
+    they do not hold (``not_loaded``: random init) or leave some of theirs out (``left_over``,
+    e.g. a pre_logits layer the head reads)."""
+    if not (not_loaded or left_over):
+        return
+    parts = [f"{len(keys)} parameter(s) {what}: {', '.join(keys[:shown])}"
+             + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+             for keys, what in ((not_loaded, "of this model would keep a random init"),
+                                (left_over, "of the checkpoint would be left out"))
+             if keys]
+    raise ValueError(
+        f"init_from={str(path)!r}: eval.py evaluates these weights as they are, but "
+        + "; ".join(parts) + f". Give config.model the pretrained model's heads (see "
+        f"{cfg_file.name} there: num_classes / num_labels, pooling, representation_size), "
+        "or fine-tune them with train.py")
 
 
 def _resampling(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
@@ -215,7 +242,8 @@ _SAME_FUNCTION_FIELDS = {
 
 
 def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: bool = False,
-                        missing_are_defaults: bool = False) -> list[tuple[str, Any, Any]]:
+                        missing_are_defaults: bool = False, heads: bool = False
+                        ) -> list[tuple[str, Any, Any]]:
     """(field, saved value, this value) for each field in which ``model_config`` (TextConfig /
     ViTConfig) computes differently from the saved model config ``saved`` with the same
     parameters: the activation, the LayerNorm epsilon, the position scheme and the settings
@@ -225,12 +253,13 @@ def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: b
     ``missing_are_defaults`` (a train.py run's config, which leaves out fields at their
     defaults). Empty when ``saved`` is not a config of the same kind (the parameter shapes then
     decide) or agrees in all of them. Dropout, dtype, the gather strategy, remat, layer
-    scanning and the heads may differ."""
+    scanning and the heads may differ (``heads``: not a ViT's pooling)."""
     try:
         theirs = type(model_config).from_dict(saved)
     except (ValueError, TypeError):
         return []
-    fields = _SAME_FUNCTION_FIELDS["*"] + (("pooler_act",) if with_pooler else ())
+    fields = (_SAME_FUNCTION_FIELDS["*"] + (("pooler_act",) if with_pooler else ())
+              + (("pooling",) if heads else ()))
     schemes = (model_config.position_scheme,
                *((theirs.position_scheme,) if "position_scheme" in saved
                  or missing_are_defaults else ()))
