@@ -613,9 +613,9 @@ def read_eval(run: Run, step: int) -> dict[str, float] | None:
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
     """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON.
-    In a workdir without checkpoints, ``config.init_from``'s weights are evaluated as they
-    are, as step 0 (a published model under a recipe's data, e.g. to check it before
-    fine-tuning)."""
+    In a workdir that is not a run's (``evaluates_init_from``), ``config.init_from``'s
+    weights are evaluated as they are, as step 0 (a published model on a recipe's data, e.g.
+    to check it before fine-tuning)."""
     run = prepare(config, workdir, training=False)
     if evaluates_init_from(config, run.workdir, False):
         if step not in (None, 0):
