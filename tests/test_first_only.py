@@ -1,7 +1,7 @@
 """Encoder(first_only=True): the last layer computes token 0 alone, for [CLS] classifiers.
 
-Equal to row 0 of the full output (values and gradients) for every scheme, both layer layouts,
-remat and DeBERTa-v2's conv; it must remove the last layer's per-query work (checked on XLA's
+Equal to row 0 of the full output (values and gradients) for every scheme, remat and
+DeBERTa-v2's conv, in both layer layouts where they split the stack differently; it must remove the last layer's per-query work (checked on XLA's
 FLOP count), and fall back to the full computation while attention maps are captured.
 """
 from __future__ import annotations
@@ -58,9 +58,16 @@ VIT_CASES = {
 }
 
 
-def _layouts(cfg):
+# Both layouts cut token 0's query with the same ``Encoder._first_query``; the scanned one
+# differs in how it splits the stack (the conv's layer 0, one layer, remat), so the text cases
+# whose only difference is the scheme run unrolled alone.
+SCHEME_ONLY = {"bert_abs", "tupe_r untied cls", "deberta v1"}
+
+
+def _layouts(cfg, scanned: bool = True):
     yield "unrolled", cfg
-    yield "scanned", dataclasses.replace(cfg, scan_layers=True)
+    if scanned:
+        yield "scanned", dataclasses.replace(cfg, scan_layers=True)
 
 
 @pytest.mark.parametrize("name", TEXT_CASES)
@@ -69,7 +76,7 @@ def test_text_first_row_equals_full(name):
     args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
     params = random_params(TextEncoder(TEXT_CASES[name]), *args)
     probe = np.random.default_rng(1).normal(size=(len(LENGTHS), 32)).astype(np.float32)
-    for layout, cfg in _layouts(TEXT_CASES[name]):
+    for layout, cfg in _layouts(TEXT_CASES[name], scanned=name not in SCHEME_ONLY):
         model = TextEncoder(cfg)
         p = to_layout(params, cfg.scan_layers)
 
