@@ -463,6 +463,7 @@ class Run:
     schedule: optax.Schedule
     abstract: state_lib.TrainState
     shardings: state_lib.TrainState
+    evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
 
     @property
     def is_main(self) -> bool:
@@ -527,7 +528,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if (training and config.init_from and not saved_steps(workdir)) or pretrained:
         state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
-    return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings)
+    return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
+               pretrained)
 
 
 def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
@@ -617,7 +619,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     weights are evaluated as they are, as step 0 (a published model on a recipe's data, e.g.
     to check it before fine-tuning)."""
     run = prepare(config, workdir, training=False)
-    if evaluates_init_from(config, run.workdir, False):
+    if run.evaluates_init_from:
         if step not in (None, 0):
             raise ValueError(f"step={step}: {run.workdir / 'checkpoints'} holds no saved step; "
                              "without --step eval.py evaluates config.init_from's weights "
@@ -636,13 +638,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                          f"(available: {steps})")
     pipe = run.make_eval_pipeline()     # data errors before the restore
     state, step = _restore_for_eval(run, step, latest)
-    eval_step = steps_lib.make_eval_step(run.task, run.model)
-    with run.context():
-        result = run_evaluation(run, state.params, eval_step, pipe.iterator,
-                                run.workdir / "predictions" / f"step_{step}")
-    path = write_eval(run, step, result)
-    logging.info("eval step %d: %s (written to %s)", step, result, path)
-    return {"step": step, "split": evaluated_split(config), **result}
+    return _evaluate_and_write(run, state.params, step, pipe)
 
 
 def _evaluate_init_from(run: Run) -> dict[str, float]:
@@ -655,13 +651,19 @@ def _evaluate_init_from(run: Run) -> dict[str, float]:
                                      run.task.patch_grid)
     if run.is_main:
         (run.workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return _evaluate_and_write(run, state.params, 0, pipe)
+
+
+def _evaluate_and_write(run: Run, params: Any, step: int, pipe: Any) -> dict[str, float]:
+    """One pass of ``pipe`` through the eval step with ``params``, written as ``step``'s
+    metrics JSON (and predictions, where the task has them)."""
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
-        result = run_evaluation(run, state.params, eval_step, pipe.iterator,
-                                run.workdir / "predictions" / "step_0")
-    path = write_eval(run, 0, result)
-    logging.info("eval of %s: %s (written to %s)", run.config.init_from, result, path)
-    return {"step": 0, "split": evaluated_split(run.config), **result}
+        result = run_evaluation(run, params, eval_step, pipe.iterator,
+                                run.workdir / "predictions" / f"step_{step}")
+    path = write_eval(run, step, result)
+    logging.info("eval step %d: %s (written to %s)", step, result, path)
+    return {"step": step, "split": evaluated_split(run.config), **result}
 
 
 def _process_0_choice(run: Run, step: int | None, steps: list[int]
