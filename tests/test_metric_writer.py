@@ -2,7 +2,10 @@
 TensorBoard, and drops only what is about to be recomputed."""
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 
 from tensorboardX.proto import event_pb2
 
@@ -53,3 +56,27 @@ def test_a_line_cut_short_does_not_block_the_resume(tmp_path, caplog):
     resumed.close()
     assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
     assert str(path) in caplog.text and "not JSON records" in caplog.text
+
+
+WRITE_EVENTS = """
+import sys
+from posjax.training import metrics
+writer = metrics.MetricWriter(sys.argv[1], enabled=True, start_step=0)
+writer.write(1, "train", {"loss": 1.0})
+writer.close()
+print("torch imported:", "torch" in sys.modules, flush=True)
+import torch
+print("torch after:", torch.ones(2).sum().item(), flush=True)
+"""
+
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX's package imports torch where it is installed (2.5 s at every train.py
+    and eval.py start, before): the writer hides it, and a later ``import torch`` works."""
+    done = subprocess.run([sys.executable, "-c", WRITE_EVENTS, str(tmp_path)], text=True,
+                          capture_output=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["torch imported: False", "torch after: 2.0"]
+    assert [e.summary.value[0].simple_value for e in events(tmp_path / "tensorboard")
+            if e.HasField("summary")] == [1.0]

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import pathlib
+import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -187,6 +188,7 @@ class EventFile:
     its predecessor must not reuse (truncate) that file."""
 
     def __init__(self, folder: pathlib.Path, purge_step: int | None, suffix: str):
+        _import_tensorboardx_without_torch()
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import SessionLog
         folder.mkdir(parents=True, exist_ok=True)
@@ -207,6 +209,21 @@ class EventFile:
     def close(self) -> None:
         self._events.close()
 
+
+def _import_tensorboardx_without_torch() -> None:
+    """Import tensorboardX with torch hidden, unless torch is loaded already. Its package
+    imports its SummaryWriter, which imports torch where it is installed only to accept torch
+    tensors (2.5 s and ~0.3 GB at every train.py and eval.py start); posjax writes the event
+    protos itself. ``None`` in ``sys.modules`` makes ``import torch`` raise ImportError, which
+    tensorboardX catches; the entry is removed after, so a later ``import torch`` works."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None
+    try:
+        import tensorboardX  # noqa: F401, PLC0415
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
 
 def drop_after(path: pathlib.Path, step: int) -> None:
     """Remove records of steps > ``step`` (logged after the checkpoint a run resumes from, so
