@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 import sys
 
-# Before jax is imported: let torch share the GPU with JAX (no 75% preallocation).
+# Before jax is imported: let torch share the GPU with JAX (no 75% preallocation); and no
+# persistent compilation cache (a JAX_COMPILATION_CACHE_DIR the user set for train.py), whose
+# file reads the compile suite would time instead of the compiler.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import argparse  # noqa: E402
 import json  # noqa: E402

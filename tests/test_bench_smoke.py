@@ -311,3 +311,17 @@ def test_sharding_bad_command_lines_fail_before_compiling(argv, message, capsys)
     from bench import sharding
     assert sharding.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_bench_turns_off_a_persistent_compilation_cache(tmp_path):
+    """README suggests JAX_COMPILATION_CACHE_DIR for train.py; in the bench such a cache would
+    make the compile suite time a file read instead of the compiler."""
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run(
+        [sys.executable, "-c", "import bench.run, jax; "
+         "print(jax.config.jax_enable_compilation_cache)"],
+        cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert done.returncode == 0 and done.stdout == "False\n", done.stderr[-2000:]
