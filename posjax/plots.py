@@ -71,15 +71,20 @@ def save_attention_png(maps: Sequence[np.ndarray], path: str | pathlib.Path, *, 
     """Draw one example's maps as a grid (rows: layers, columns: heads) into ``path`` (PNG).
 
     Rows are labelled ``row_labels`` (``attention_labels(model, len(maps))``), by default
-    'layer k'."""
-    plt = pyplot()
-
+    'layer k'. ``tokens`` (one per key) label the keys of the bottom-left map when there are
+    at most 32 (more would not be legible)."""
     if not maps:
         raise ValueError("maps is empty: the model sowed no attention weights")
     rows = len(maps)
     row_labels = [f"layer {k}" for k in range(rows)] if row_labels is None else list(row_labels)
     if len(row_labels) != rows:
         raise ValueError(f"row_labels has {len(row_labels)} labels for {rows} maps")
+    batch, keys = maps[0].shape[0], maps[-1].shape[-1]
+    if not -batch <= example < batch:
+        raise ValueError(f"example={example} is not in the batch of {batch} maps")
+    if tokens is not None and len(tokens) != keys:
+        raise ValueError(f"tokens has {len(tokens)} labels for the {keys} keys of the maps")
+    plt = pyplot()
     cols = min(maps[0].shape[1], max_heads)
     fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.2 * rows), squeeze=False)
     for r, m in enumerate(maps):

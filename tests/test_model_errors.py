@@ -82,6 +82,26 @@ BAD_CONFIGS = {
         ViTConfig, dict(position_scheme="deberta", pooling="token"),
         ["pooling='token'", "gap", "map"]),
     "dropout of one": (TextConfig, dict(dropout_rate=1.0), ["dropout_rate=1.0", "[0, 1)"]),
+    "conv in no groups": (TextConfig, dict(position_scheme="deberta_v2", conv_kernel_size=3,
+                                           conv_groups=0), ["conv_groups=0", "> 0"]),
+    "conv in negative groups that divide the width": (
+        TextConfig, dict(position_scheme="deberta_v2", conv_kernel_size=3, conv_groups=-2),
+        ["conv_groups=-2", "> 0"]),
+    "negative odd conv kernel": (TextConfig, dict(position_scheme="deberta_v2",
+                                                  conv_kernel_size=-3),
+                                 ["conv_kernel_size=-3", ">= 0"]),
+    "no DeBERTa position terms as None": (TextConfig, dict(position_scheme="deberta",
+                                                           pos_att_type=None),
+                                          ["pos_att_type=None", "'c2p|p2c'"]),
+    "a DeBERTa position term twice (the scale counts terms)": (
+        ViTConfig, dict(position_scheme="deberta", pooling="gap", pos_att_type="c2p|c2p"),
+        ["pos_att_type='c2p|c2p'", "twice"]),
+    "log buckets with no range to spread over": (
+        TextConfig, dict(position_scheme="deberta_v2", position_buckets=2,
+                         max_relative_positions=2),
+        ["position_buckets=2", "max_relative_positions - 1=1"]),
+    "hybrid stem depth as a number": (ViTConfig, dict(resnet_layers=3),
+                                      ["resnet_layers=3", "tuple"]),
 }
 
 
@@ -104,6 +124,16 @@ def test_bad_config_raises_value_error_naming_field_value_and_rule(name):
         cls(**{**base, **fields})
     for text in expected:
         assert text in str(info.value), f"{text!r} missing from: {info.value}"
+
+
+def test_numpy_scalars_become_python_numbers():
+    """Sizes computed with numpy pass the type checks; they are stored as Python numbers, so
+    that the config saves as JSON (save_checkpoint, train.py's config.json)."""
+    import dataclasses
+    import json
+    cfg = TextConfig(**{**TINY, "vocab_size": np.int64(20)}, dropout_rate=np.float32(0.5))
+    assert type(cfg.vocab_size) is int and type(cfg.dropout_rate) is float
+    assert json.loads(json.dumps(dataclasses.asdict(cfg)))["vocab_size"] == 20
 
 
 def test_unknown_config_field_is_named():
@@ -183,6 +213,8 @@ def test_token_inputs_of_the_wrong_shape_or_dtype_are_named():
          r"np\.asarray\(masked_positions\)"),
         (dict(input_ids=ids.tolist(), attention_mask=mask),
          r"input_ids must be an array \(numpy or jax\), not list"),
+        (dict(input_ids=ids, attention_mask=None),
+         r"attention_mask is None: pass the \(B, L\) mask of real tokens"),
     ]
     for inputs, match in cases:
         with pytest.raises(ValueError, match=match):

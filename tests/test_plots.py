@@ -29,6 +29,11 @@ def test_text_attention_maps_and_png(tmp_path):
     assert labels == ["layer 0", "layer 1", "layer 2", "EMD pass 0", "EMD pass 1"]
     png = save_attention_png(maps, tmp_path / "attention.png", example=1, row_labels=labels)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"^example=2 is not in the batch of 2 maps$"):
+        save_attention_png(maps, tmp_path / "other.png", example=2)
+    with pytest.raises(ValueError, match=r"^tokens has 3 labels for the 10 keys of the maps$"):
+        save_attention_png(maps, tmp_path / "other.png", tokens=["a", "b", "c"])
+    assert not (tmp_path / "other.png").exists()
 
 
 def test_vit_attention_maps_in_layer_order():

@@ -34,21 +34,29 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_types(c: Any) -> None:
-    """Every int / float / bool / str field holds a value of that kind (a bool is no number)."""
+    """Every int / float / bool / str field holds a value of that kind (a bool is no number);
+    numpy scalars become Python ints and floats, so that the config saves as JSON."""
     for f in dataclasses.fields(c):
-        kind = _KINDS.get(f.type if isinstance(f.type, str) else f.type.__name__)
+        name = f.type if isinstance(f.type, str) else f.type.__name__
+        kind = _KINDS.get(name)
         if kind is None:
             continue
         value = getattr(c, f.name)
         ok = isinstance(value, kind[0]) and (f.type == "bool" or not isinstance(value, bool))
         _check(ok, f.name, value, f"must be {kind[1]}")
+        if name in ("int", "float") and type(value) not in (int, float):
+            object.__setattr__(c, f.name, int(value) if name == "int" else float(value))
 
 
 def _att_types(value: str | tuple[str, ...]) -> tuple[str, ...]:
-    """pos_att_type as a tuple; a string is split on '|' or ',' ("c2p|p2c", as HF writes it)."""
-    if isinstance(value, str):
-        return tuple(t.strip() for t in value.replace(",", "|").split("|") if t.strip())
-    return tuple(value)
+    """pos_att_type as a tuple; a string is split on '|' or ',' ("c2p|p2c", as HF writes it).
+    A term listed twice is an error: DeBERTa v1 scales by 1/sqrt((1 + len(pos_att_type)) d)."""
+    _check(isinstance(value, (str, tuple, list)), "pos_att_type", value,
+           "a string such as 'c2p|p2c', or a tuple of 'c2p' and/or 'p2c'")
+    terms = ([t.strip() for t in value.replace(",", "|").split("|") if t.strip()]
+             if isinstance(value, str) else list(value))
+    _check(len(set(terms)) == len(terms), "pos_att_type", value, "lists a term twice")
+    return tuple(terms)
 
 
 def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None:
@@ -83,6 +91,10 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
             _check(c.position_buckets % 2 == 0 and c.position_buckets <= c.max_relative_positions,
                    "position_buckets", c.position_buckets,
                    f"must be even and <= max_relative_positions={c.max_relative_positions}")
+            # The log buckets divide by log((max_relative_positions - 1) / (buckets / 2)).
+            _check(c.position_buckets // 2 < c.max_relative_positions - 1, "position_buckets",
+                   c.position_buckets, "half of it must be below max_relative_positions - 1="
+                   f"{c.max_relative_positions - 1} (the log buckets need a range to spread over)")
     if c.position_scheme in ("bert_rel", "tupe_r"):
         _check(c.relative_buckets >= 4 and c.relative_buckets % 2 == 0, "relative_buckets",
                c.relative_buckets, "must be an even number >= 4")
@@ -167,11 +179,14 @@ class TextConfig:
                    "the official code runs the enhanced mask decoder only when absolute "
                    "positions are not added to the input: set position_biased_input=False, or "
                    "use_emd=False to decode the last layer")
+        _check(self.conv_kernel_size >= 0, "conv_kernel_size", self.conv_kernel_size,
+               "must be >= 0 (0: no convolution layer)")
         if self.conv_kernel_size:
             _check(self.position_scheme == "deberta_v2", "conv_kernel_size", self.conv_kernel_size,
                    "the convolution layer exists only for position_scheme='deberta_v2'")
             _check(self.conv_kernel_size % 2 == 1, "conv_kernel_size", self.conv_kernel_size,
                    "must be odd (same-length convolution)")
+            _check(self.conv_groups > 0, "conv_groups", self.conv_groups, "must be > 0")
             _check(self.hidden_size % self.conv_groups == 0, "conv_groups", self.conv_groups,
                    f"must divide hidden_size={self.hidden_size}")
 
@@ -235,6 +250,8 @@ class ViTConfig:
                    "must be a positive int or a pair (height, width)")
             object.__setattr__(self, f, tuple(int(s) for s in v))
         object.__setattr__(self, "pos_att_type", _att_types(self.pos_att_type))
+        _check(isinstance(self.resnet_layers, (tuple, list)), "resnet_layers",
+               self.resnet_layers, "block counts per stage as a tuple, e.g. (3, 4, 9); () for none")
         object.__setattr__(self, "resnet_layers", tuple(self.resnet_layers))
         if self.max_relative_positions == 0:
             object.__setattr__(self, "max_relative_positions", max(self.grid_size))

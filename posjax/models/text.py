@@ -133,6 +133,9 @@ def check_token_inputs(input_ids: Array, attention_mask: Array,
                        token_type_ids: Array | None = None) -> None:
     """One ValueError naming the argument unless input_ids, attention_mask, token_type_ids are
     (B, L) arrays, ids of an integer dtype."""
+    if attention_mask is None:
+        raise ValueError("attention_mask is None: pass the (B, L) mask of real tokens "
+                         "(jnp.ones_like(input_ids) when nothing is padded)")
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
                         ("token_type_ids", token_type_ids)):
         _check_is_array(name, value)
