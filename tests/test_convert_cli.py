@@ -61,6 +61,26 @@ def test_failure_exits_nonzero_and_writes_nothing(hf_mlm, tmp_path, capsys):
     assert not dest.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_destination_that_cannot_be_created_is_refused_before_the_source_is_read(
+        hf_mlm, tmp_path, capsys, monkeypatch):
+    """Under a file, or empty (an unset shell variable): one error line, exit 2, before the
+    source is read (minutes for a large model), where a traceback came after it before."""
+    import posjax.convert.__main__ as cli
+    monkeypatch.setattr(cli, "load_pretrained", lambda *a, **k: pytest.fail("source read"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = {(str(hf_mlm), str(afile / "x")):
+             f"error: --to '{afile / 'x'}': '{afile}' is a file, not a directory; choose "
+             "another --to",
+             (str(hf_mlm), ""): "error: --to is empty (an unset shell variable?): give a path",
+             ("", str(tmp_path / "out")):
+             "error: --from is empty (an unset shell variable?): give a path"}
+    for (source, dest), message in cases.items():
+        assert main(["--from", source, "--to", dest]) == 2
+        assert capsys.readouterr().err.strip() == message
+    assert list(tmp_path.iterdir()) == [afile]
+
+
 def test_cli_npz_with_new_resolution(tmp_path):
     """The real entry point on an official-style npz, resampled to a new resolution."""
     from test_convert_npz import official_arrays, random_params

@@ -138,7 +138,8 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     refused = {
         "a pre_logits layer": ({"model.representation_size": 8}, 0, re.escape(
             "eval.py evaluates these weights as they are, but 3 parameter(s) of this model "
-            "would keep a random init: ['head']['kernel'], ['pre_logits']['bias'], "
+            "would keep a random init: ['head']['kernel'] (saved (16, 4), here (8, 4)), "
+            "['pre_logits']['bias'], "
             "['pre_logits']['kernel']. Give config.model the pretrained model's heads")),
         "another pooling": ({"model.pooling": "gap"}, 0, re.escape(
             "has pooling='token' where this run's config.model has pooling='gap'")),
@@ -152,7 +153,8 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
         assert not (tmp_path / name).exists(), name
     _, export = _export(syn.tiny_config(**{"model.representation_size": 8}), tmp_path)
     with pytest.raises(ValueError, match=re.escape(
-            "1 parameter(s) of this model would keep a random init: ['head']['kernel']; "
+            "1 parameter(s) of this model would keep a random init: ['head']['kernel'] "
+            "(saved (8, 4), here (16, 4)); "
             "2 parameter(s) of the checkpoint would be left out: ['pre_logits']['bias'], "
             "['pre_logits']['kernel']. Give")):
         loop.evaluate(syn.tiny_config(init_from=str(export)), tmp_path / "left_over")
@@ -309,9 +311,26 @@ def test_init_from_that_fits_no_encoder_parameter_is_refused_before_anything_is_
         ckptr.save(export / "params",
                    {"params": jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))})
     (export / "model_config.json").write_text(json.dumps({"config": source.model.to_dict()}))
-    with pytest.raises(ValueError, match=r"init_from='.*export': none of its 24 parameters "
-                                         r"fits this model's encoder: give config.model"):
-        loop.train(syn.tiny_config(init_from=str(export)), tmp_path / "run")
+    for run in (loop.train, loop.evaluate):   # eval.py's whole check names the width too
+        with pytest.raises(ValueError, match=r"init_from='.*export': none of its 24 parameters "
+                                             r"fits this model's encoder: give config.model"):
+            run(syn.tiny_config(init_from=str(export)), tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+
+
+def test_init_from_published_weights_says_to_convert_them_first(tmp_path):
+    """A Hugging Face folder or an .npz given as init_from: the error gives the converter's
+    command, before anything is written."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    for source in (hf, tmp_path / "ViT-B_16.npz"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"it looks like published weights (a Hugging Face folder or an .npz); convert "
+                f"them first, python -m posjax.convert --from {source} --to CKPT, then give "
+                "init_from=CKPT")):
+            loop.train(syn.tiny_config(init_from=str(source)), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 

@@ -372,6 +372,14 @@ def test_workdir_entries_of_the_wrong_kind_are_refused_before_anything_runs(tmp_
         loop.train(syn.tiny_config(), workdir)
 
 
+def test_a_workdir_under_a_file_is_refused_before_anything_runs(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=rf"^workdir '{afile / 'w'}': '{afile}' is a file, not "
+                                         "a directory; choose another workdir$"):
+        loop.train(syn.tiny_config(), afile / "w")
+
+
 def test_eval_refuses_checkpoints_it_could_not_write_its_metrics_beside(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
     (workdir / "predictions").write_text("")

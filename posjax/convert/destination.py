@@ -7,16 +7,17 @@ import shutil
 import tempfile
 from typing import Callable
 
-from posjax.data.common import local_path
+from posjax.data.common import check_creatable, local_path
 
 
 def new_destination(dest: str | pathlib.Path, what: str = "destination") -> pathlib.Path:
-    """``dest`` as an absolute local path; one ValueError (naming ``what``) if it is a URL, or
-    if it exists already."""
+    """``dest`` as an absolute local path; one ValueError (naming ``what``) if it is empty or
+    a URL, if it exists already, or if it cannot be created (under a file, not writable)."""
     dest = local_path(dest, what)
     if dest.exists():
         raise ValueError(f"destination {dest} already exists: choose a new folder or remove it "
                          "first (posjax never overwrites checkpoints)")
+    check_creatable(dest, what)
     return dest
 
 

@@ -10,6 +10,7 @@ import multiprocessing.resource_tracker
 import os
 import pathlib
 import re
+import tempfile
 import signal
 import socket
 import threading
@@ -172,12 +173,38 @@ def local_path(value: str | os.PathLike, what: str) -> pathlib.Path:
     system (a file lock, atomic renames), and pathlib would turn ``gs://b/x`` into a local
     folder ``gs:/b/x``."""
     text = os.fspath(value)
+    if not text.strip():
+        raise ValueError(f"{what} is empty (an unset shell variable?): give a path")
     if _URL.match(text):
         raise ValueError(f"{what}={text!r} is a URL, but posjax opens its folders through "
                          "the file system (a workdir needs file locks and atomic renames): give "
                          "a local path, or on several hosts a shared file system every host "
                          "mounts (NFS, Filestore)")
     return pathlib.Path(text).expanduser().resolve()
+
+
+def check_creatable(path: pathlib.Path, what: str) -> None:
+    """One ValueError naming ``what`` unless ``path`` is a directory this process can write
+    in, or can be created as one (its nearest existing ancestor is such a directory)."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} {str(path)!r}: {str(existing)!r} is a file, not a "
+                         f"directory; choose another {what}")
+    why = cannot_write_in(existing)
+    if why:
+        raise ValueError(f"{what} {str(path)!r} is not writable ({str(existing)!r}: {why}); "
+                         "choose a directory you can write to")
+
+
+def cannot_write_in(directory: pathlib.Path) -> str | None:
+    """Why no file can be created in ``directory`` (None if one can)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as e:
+        return e.strerror
 
 
 def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:

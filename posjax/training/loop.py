@@ -28,7 +28,6 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -41,7 +40,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from posjax.data.common import local_path, signals_to_receiver_thread, write_text_atomically
+from posjax.data.common import (cannot_write_in, check_creatable, local_path,
+                                signals_to_receiver_thread, write_text_atomically)
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
@@ -348,16 +348,7 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
 
 def check_writable(workdir: pathlib.Path) -> None:
     """A directory (or a path to create one at) that this process can write in."""
-    existing = workdir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"workdir {str(workdir)!r}: {str(existing)!r} is a file, not a "
-                         "directory; choose another --workdir")
-    why = _cannot_write_in(existing)
-    if why:
-        raise ValueError(f"workdir {str(workdir)!r} is not writable ({str(existing)!r}: "
-                         f"{why}); choose a directory you can write to")
+    check_creatable(workdir, "workdir")
 
 
 # What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
@@ -366,15 +357,6 @@ TRAIN_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "metrics.jsonl": "w
                  workdir_lock.LOCK_FILE: "written", CONFIG_FILE: "replaced",
                  "loss_curve.png": "replaced"}
 EVAL_ENTRIES = {"checkpoints": "dir", "predictions": "dir"}
-
-
-def _cannot_write_in(directory: pathlib.Path) -> str | None:
-    """Why no file can be created in ``directory`` (None if one can)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            return None
-    except OSError as e:
-        return e.strerror
 
 
 def check_entries(workdir: pathlib.Path, entries: dict[str, str]) -> None:
@@ -393,7 +375,7 @@ def check_entries(workdir: pathlib.Path, entries: dict[str, str]) -> None:
             kinds = ("a directory", "a file") if path.is_dir() else ("a file", "a directory")
             raise ValueError(f"workdir {str(workdir)!r}: {name} is {kinds[0]}, not {kinds[1]}: "
                              "move it out of the workdir")
-        why = _cannot_write_in(path) if kind == "dir" else None
+        why = cannot_write_in(path) if kind == "dir" else None
         if kind == "written":
             try:
                 open(path, "a").close()   # writes nothing

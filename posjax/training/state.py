@@ -104,8 +104,16 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
                    if p.name.isdigit() and (p / "state").is_dir())
     if steps:
         return root / "checkpoints" / str(steps[-1]) / "state", root / "config.json"
+    published = root.suffix == ".npz" or ((root / "config.json").is_file() and any(
+        (root / name).is_file() for name in ("model.safetensors", "pytorch_model.bin",
+                                               "model.safetensors.index.json",
+                                               "pytorch_model.bin.index.json")))
+    convert = (f": it looks like published weights (a Hugging Face folder or an .npz); convert "
+               f"them first, python -m posjax.convert --from {str(path)} --to CKPT, then give "
+               "init_from=CKPT" if published else "")
     raise ValueError(f"init_from={str(path)!r}: neither a converter folder (params/ + "
-                     "model_config.json) nor a train.py workdir with checkpoints/<step>/state")
+                     "model_config.json) nor a train.py workdir with checkpoints/<step>/state"
+                     + convert)
 
 
 def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str, Any]:
@@ -170,17 +178,18 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
         return saved_shape == shape or _resampling(key, saved_shape, shape, grid,
                                                    num_prefix_tokens, saved_cfg) is not None
 
+    if not any(key in shapes and fits(key) for key in encoder):
+        scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
+                  if "position_scheme" in saved_model else "")
+        raise ValueError(
+            f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
+            f"encoder{scheme}: give config.model the pretrained model's "
+            f"architecture (see {cfg_file.name} there), or start without init_from")
     if whole:
-        _check_whole(path, cfg_file, [k for k in target if not (k in shapes and fits(k))],
-                     sorted(set(shapes) - set(target)))
-    if any(key in shapes and fits(key) for key in encoder):
-        return
-    scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
-              if "position_scheme" in saved_model else "")
-    raise ValueError(
-        f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
-        f"encoder{scheme}: give config.model the pretrained model's "
-        f"architecture (see {cfg_file.name} there), or start without init_from")
+        not_loaded = [k if k not in shapes else
+                      f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+                      for k in target if not (k in shapes and fits(k))]
+        _check_whole(path, cfg_file, not_loaded, sorted(set(shapes) - set(target)))
 
 
 def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: list[str],
