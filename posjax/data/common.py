@@ -10,9 +10,9 @@ import multiprocessing.resource_tracker
 import os
 import pathlib
 import re
-import tempfile
 import signal
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence

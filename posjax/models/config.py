@@ -50,7 +50,8 @@ def _check_types(c: Any) -> None:
 
 def _att_types(value: str | tuple[str, ...]) -> tuple[str, ...]:
     """pos_att_type as a tuple; a string is split on '|' or ',' ("c2p|p2c", as HF writes it).
-    A term listed twice is an error: DeBERTa v1 scales by 1/sqrt((1 + len(pos_att_type)) d)."""
+    A term listed twice is an error: the attention scale 1/sqrt((1 + len(pos_att_type)) d)
+    counts the terms."""
     _check(isinstance(value, (str, tuple, list)), "pos_att_type", value,
            "a string such as 'c2p|p2c', or a tuple of 'c2p' and/or 'p2c'")
     terms = ([t.strip() for t in value.replace(",", "|").split("|") if t.strip()]

@@ -225,6 +225,7 @@ def _import_tensorboardx_without_torch() -> None:
         if sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
 
+
 def drop_after(path: pathlib.Path, step: int) -> None:
     """Remove records of steps > ``step`` (logged after the checkpoint a run resumes from, so
     they are about to be recomputed), and lines that are not JSON records (a write cut short by
