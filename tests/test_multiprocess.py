@@ -29,6 +29,7 @@ import pytest
 
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import loop
+from jax_env import compilation_cache, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 24
@@ -46,6 +47,16 @@ def digits_tiny(**overrides) -> ml_collections.ConfigDict:
     config = module.get_config("tiny")
     config.update_from_flattened_dict(overrides)
     return config
+
+
+_JAX_CACHE: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jax_compilation_cache(tmp_path_factory) -> None:
+    """The launches of this module share JAX's persistent compilation cache: the preempted
+    run's second and third launches and the eval do not compile its programs again."""
+    _JAX_CACHE.update(compilation_cache(tmp_path_factory.mktemp("jax_cache")))
 
 
 def _free_port() -> int:
@@ -67,7 +78,7 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
     ``after_step``. Returns [(output, exit status)] per process."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
     flags = [f"--config.{k}={v}" for k, v in {**(overrides or OVERRIDES), **MULTI}.items()]
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
     procs, copiers = [], []

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+from jax_env import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STATED_SHAPE = re.compile(r"^(\s*)(\w+) = .*#\s*(\([\d, ]+\))")
 
@@ -30,7 +32,7 @@ def test_readme_examples_run_as_written(tmp_path):
     script = readme_script()
     assert script.count("assert tuple(") >= 6      # the shapes the examples promise
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": xla_flags(8)}
     run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from jax_env import compilation_cache, xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/vit_digits.py:tiny"]
 
@@ -26,13 +28,12 @@ _JAX_CACHE: dict[str, str] = {}
 def jax_compilation_cache(tmp_path_factory) -> None:
     """The processes of this module share JAX's persistent compilation cache: the tiny run's
     init, train and eval steps compile once, not in each of ~30 processes (~7 s each)."""
-    _JAX_CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    _JAX_CACHE.update(compilation_cache(tmp_path_factory.mktemp("jax_cache")))
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1",
-            **_JAX_CACHE}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(),
+            "PYTHONUNBUFFERED": "1", **_JAX_CACHE}
 
 
 def _run(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
