@@ -27,9 +27,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from jax_env import compilation_cache, xla_flags
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import loop
-from jax_env import compilation_cache, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 24
