@@ -6,7 +6,8 @@ where it reads its data and on which devices (mesh, batch sizes, data paths and 
 ``loop.EVAL_KEYS``); a config that differs from the run's config.json in any other key is
 refused. It evaluates the latest checkpoint (or --step) on data.test_split and writes
 DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json; another
---config.data.test_split writes its own file).
+--config.data.test_split writes its own file, and so does other data than the run's:
+eval_<step>_<split>_data-<hash>.json, which records the data it read).
 
     python eval.py --config configs/X.py --config.init_from=CKPT --workdir NEW_DIR
 

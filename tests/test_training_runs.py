@@ -120,6 +120,16 @@ def test_eval_reproduces_the_training_eval(runs):
     assert loop.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
     assert loop.eval_file(straight, 6, "train[:50%]").exists()
     assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
+    # Other data than the run's (a data_dir it did not read) is written beside, not over, the
+    # run's results, and the file says which data it is.
+    moved = config.copy_and_resolve_references()
+    moved.data = {"data_dir": "/elsewhere"}
+    loop.evaluate(moved, straight)
+    tag = loop.eval_tag(loop.read_saved_config(straight), moved)
+    assert re.fullmatch(r"_data-[0-9a-f]{8}", tag)
+    assert json.loads(loop.eval_file(straight, 6, "test", tag).read_text())["data"] == \
+        {"data.data_dir": "/elsewhere"}
+    assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
     with pytest.raises(ValueError, match="no such checkpoint"):
         loop.evaluate(config, straight, step=5)
 
@@ -470,6 +480,25 @@ def _copy_run(source, tmp_path):
     workdir = tmp_path / "copy"
     shutil.copytree(source, workdir)
     return workdir
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp_path):
+    """A run's checkpoints with another model config (a config.json replaced by another run's):
+    one error naming the parameters that differ; it does not send the user to move good
+    checkpoints out."""
+    config, straight, _, _ = runs
+    workdir = _copy_run(straight, tmp_path)
+    wider = syn.tiny_config(**{"model.hidden_size": 24, "model.mlp_dim": 40})
+    (workdir / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(wider)))
+    pattern = (r"holds the parameters of another model than config.model builds \(other "
+               r"shapes: cls \(1, 1, 16\) saved, \(1, 1, 24\) in the model, .* in all\)\): "
+               r"it was saved with another config.*not damaged$")
+    with pytest.raises(ValueError, match=pattern):
+        loop.evaluate(wider, workdir)
+    deeper = syn.tiny_config(**{"model.num_layers": 2})
+    (workdir / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(deeper)))
+    with pytest.raises(ValueError, match=r"\(not in the checkpoint: encoder/layer_1/"):
+        loop.evaluate(deeper, workdir)
 
 
 def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, monkeypatch):

@@ -430,6 +430,22 @@ def test_damaged_config_json_is_named_with_the_fix(tmp_path):
         loop.check_workdir(workdir, syn.tiny_config())
 
 
+def test_saved_config_of_another_program_or_an_older_run(tmp_path):
+    """configs/saved.py (eval.py's default) refuses another program's config.json in one
+    error, and fills a key an older run's config.json lacks with today's default."""
+    path = tmp_path / loop.CONFIG_FILE
+    path.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"is not a posjax run's config \(keys \['architec"):
+        loop.load_saved_config(tmp_path)
+    old = loop.config_dict(syn.tiny_config())
+    del old["eval_batch_size"], old["distributed"], old["checkpoint"]["async_save"]
+    path.write_text(json.dumps(old))
+    loaded = loop.load_saved_config(tmp_path)
+    assert loaded.eval_batch_size == 0 and loaded.distributed.enabled is False
+    assert loaded.checkpoint.async_save is True and loaded.checkpoint.every_steps == 2
+    assert loop.config_dict(loaded) == loop.config_dict(syn.tiny_config())
+
+
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
     """Text recipes list every TextConfig field (--config.model.remat=True works). A run saved
     when they listed only the fields they set resumes and evaluates with the recipe, also with
@@ -592,10 +608,21 @@ def test_split_tags_keep_splits_apart():
     assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]
 
 
+def test_eval_tags_keep_other_data_apart():
+    saved = loop.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
+    same = syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "v", "worker_count": 2}})
+    assert loop.eval_tag(None, same) == "" and loop.eval_tag(saved, same) == ""
+    assert loop.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
+    other = syn.tiny_config(**{"data": {"data_dir": "/e"}})
+    assert loop.eval_tag(saved, other) == loop.eval_tag(saved, other.copy_and_resolve_references())
+    assert loop.eval_tag(saved, other) not in ("", loop.eval_tag(
+        saved, syn.tiny_config(**{"data": {"data_dir": "/f"}})))
+
+
 def test_operational_keys_may_change_on_resume():
     a = loop.config_dict(syn.tiny_config())
     b = loop.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
-                                            "log_every_steps": 3}))
+                                            "log_every_steps": 3, "eval_batch_size": 8}))
     assert loop.config_differences(a, b) == []
 
 

@@ -287,6 +287,13 @@ class Checkpointer:
             with failures_reported_once(path):
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
+            differences = param_differences(path / "state", abstract_state.params)
+            if differences:
+                raise ValueError(
+                    f"checkpoint {path} holds the parameters of another model than config.model "
+                    f"builds ({'; '.join(differences)}): it was saved with another config. Use "
+                    "the config of the run that saved it (its config.json), or another "
+                    "--workdir; the checkpoint itself is not damaged") from e
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
                         if others else "and delete metrics.jsonl to start over")
@@ -328,6 +335,40 @@ class Checkpointer:
         reached, whichever processes got the signal. tests/test_multiprocess.py signals one
         of two processes."""
         return bool(self.stop and self.stop.requested) or self.manager.reached_preemption(step)
+
+
+def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str]:
+    """How the ``params`` tree saved in ``state_dir`` (a step's ``state`` item) differs from
+    ``abstract_params`` (anything with shapes): parameters the model has and the checkpoint
+    lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
+    the checkpoint's metadata cannot be read (a damaged checkpoint)."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = dict(getattr(meta := handler.metadata(state_dir), "tree", meta)).get("params")
+    except Exception:   # noqa: BLE001 -- unreadable metadata: the restore error says why
+        return []
+    finally:
+        handler.close()
+    if not isinstance(saved, dict):
+        return []
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+        return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+                for path, leaf in leaves[0]}
+
+    ours, theirs = shapes(abstract_params), shapes(saved)
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    out = []
+    if missing := sorted(set(ours) - set(theirs)):
+        out.append(f"not in the checkpoint: {few(missing)}")
+    if extra := sorted(set(theirs) - set(ours)):
+        out.append(f"not in the model: {few(extra)}")
+    if other := [f"{k} {theirs[k]} saved, {ours[k]} in the model"
+                 for k in sorted(set(ours) & set(theirs)) if ours[k] != theirs[k]]:
+        out.append(f"other shapes: {few(other)}")
+    return out
 
 
 def _root_cause(error: BaseException) -> str:

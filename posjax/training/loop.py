@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -56,18 +57,23 @@ EXIT_GRACE_S = 3.0   # run_command: how long a failing process > 0 lets process 
 EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
 # Keys that may change between a run and its resumption: they change neither the math nor the
-# saved state. init_from only seeds a run that starts without a checkpoint; model.remat and
+# saved state. eval_batch_size only says how the test split is batched (padding rows are
+# dropped); init_from only seeds a run that starts without a checkpoint; model.remat and
 # model.gather only say how the same model is computed (recomputed activations, DeBERTa's
 # relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
-                    "distributed", "init_from", "model.remat", "model.gather")
+                    "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather")
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data. Every other key defines the model or its saved state.
-EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "eval_batch_size", "microbatches", "data.path",
+EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "microbatches", "data.path",
                                 "data.data_dir", "data.glue_dir", "data.text_files",
                                 "data.tokenizer", "data.train_split", "data.test_split",
                                 "data.worker_count")
+# The EVAL_KEYS that say which data is read. An evaluation on other data than the run's
+# (config.json) writes its results under their own names (``eval_tag``), never over the run's.
+DATA_SOURCE_KEYS = ("data.path", "data.data_dir", "data.glue_dir", "data.text_files",
+                    "data.tokenizer")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -304,12 +310,30 @@ def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
 
 
 def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config a train.py run saved in ``workdir`` (its ``config.json``)."""
+    """The config a train.py run saved in ``workdir`` (its ``config.json``); a key it lacks
+    (saved before the key existed) takes ``default_config``'s value."""
     saved = read_saved_config(workdir)
+    path = local_path(workdir, '--workdir') / CONFIG_FILE
     if saved is None:
-        raise ValueError(f"{local_path(workdir, '--workdir') / CONFIG_FILE} does not exist: "
-                         "give the --workdir of a train.py run (or --config)")
-    return ml_collections.ConfigDict(saved)
+        raise ValueError(f"{path} does not exist: give the --workdir of a train.py run "
+                         "(or --config)")
+    if not (isinstance(saved.get("task"), str) and isinstance(saved.get("model"), dict)
+            and isinstance(saved.get("data"), dict)):
+        raise ValueError(f"{path} is not a posjax run's config (keys {sorted(saved)[:8]}; a "
+                         "run's has task, model, data, ...): give the --workdir of a train.py "
+                         "run, or a --config file")
+    return ml_collections.ConfigDict(_with_defaults(config_dict(default_config()), saved))
+
+
+def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with every key of ``defaults`` it lacks, recursively."""
+    out = dict(saved)
+    for k, v in defaults.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(v, dict) and isinstance(out[k], dict):
+            out[k] = _with_defaults(v, out[k])
+    return out
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
@@ -446,6 +470,7 @@ class Run:
     abstract: state_lib.TrainState
     shardings: state_lib.TrainState
     evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
+    eval_tag: str = ""                  # eval.py on other data than the run's (``eval_tag``)
 
     @property
     def is_main(self) -> bool:
@@ -493,6 +518,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     mesh = mesh_lib.build_mesh(config.mesh)
     validate_batch(config, mesh)
     pretrained = evaluates_init_from(config, workdir, training)
+    tag = ""
     if training:
         check_workdir(workdir, config)
     elif pretrained:
@@ -504,6 +530,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     else:
         check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
         check_eval_config(workdir, config)
+        tag = eval_tag(read_saved_config(workdir), config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
@@ -511,7 +538,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
-               pretrained)
+               pretrained, tag)
 
 
 def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
@@ -564,9 +591,28 @@ def split_tag(split: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.%-]", "_", tag)
 
 
-def eval_file(workdir: pathlib.Path, step: int, split: str) -> pathlib.Path:
-    """``checkpoints/eval_<step>_<split tag>.json``: one file per evaluated split."""
-    return workdir / "checkpoints" / f"eval_{step}_{split_tag(split)}.json"
+def eval_file(workdir: pathlib.Path, step: int, split: str, tag: str = "") -> pathlib.Path:
+    """``checkpoints/eval_<step>_<split tag><tag>.json``: one file per evaluated split (and per
+    data source other than the run's, ``eval_tag``)."""
+    return workdir / "checkpoints" / f"eval_{step}_{split_tag(split)}{tag}.json"
+
+
+def data_source(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``DATA_SOURCE_KEYS`` values of a config dict, flattened (``data.text_files.valid``)."""
+    return {k: v for k, v in _flat(config).items()
+            if any(k == s or k.startswith(s + ".") for s in DATA_SOURCE_KEYS)}
+
+
+def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) -> str:
+    """'' when ``config`` reads the data of the run's saved config (or there is none), else
+    ``_data-<8 hex digits>`` of the data source it reads: eval.py with another data.path,
+    data_dir, glue_dir, text_files or tokenizer writes its results beside the run's, not over
+    them (so does a source key the saved config lacks)."""
+    current = data_source(config_dict(config))
+    if saved is None or data_source(saved) == current:
+        return ""
+    digest = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()
+    return f"_data-{digest[:8]}"
 
 
 def evaluated_split(config: ml_collections.ConfigDict) -> str:
@@ -576,21 +622,22 @@ def evaluated_split(config: ml_collections.ConfigDict) -> str:
 
 def write_eval(run: Run, step: int, result: dict[str, float]) -> pathlib.Path:
     split = evaluated_split(run.config)
-    path = eval_file(run.workdir, step, split)
+    path = eval_file(run.workdir, step, split, run.eval_tag)
+    source = {"data": data_source(config_dict(run.config))} if run.eval_tag else {}
     if run.is_main:
         with ckpt_lib.writing(f"the eval result {path}"):
-            write_json(path, {"step": step, "split": split, **result})
+            write_json(path, {"step": step, "split": split, **source, **result})
     return path
 
 
 def read_eval(run: Run, step: int) -> dict[str, float] | None:
     """The metrics ``write_eval`` saved for ``step`` (None when there is no readable file)."""
-    path = eval_file(run.workdir, step, evaluated_split(run.config))
+    path = eval_file(run.workdir, step, evaluated_split(run.config), run.eval_tag)
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return {k: v for k, v in saved.items() if k not in ("step", "split")}
+    return {k: v for k, v in saved.items() if k not in ("step", "split", "data")}
 
 
 @signals_to_receiver_thread()   # input workers never die of a group SIGTERM
@@ -642,7 +689,7 @@ def _evaluate_and_write(run: Run, params: Any, step: int, pipe: Any) -> dict[str
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
         result = run_evaluation(run, params, eval_step, pipe.iterator,
-                                run.workdir / "predictions" / f"step_{step}")
+                                run.workdir / "predictions" / f"step_{step}{run.eval_tag}")
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
     return {"step": step, "split": evaluated_split(run.config), **result}
