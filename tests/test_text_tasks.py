@@ -176,6 +176,10 @@ def test_bad_text_configs(shared_data):
     config.model["use_emd"] = True
     with pytest.raises(ValueError, match="use_emd"):
         make_task(config).validate()
+    for config in (mlm_config("bert_a", "tiny"), glue_config("mrpc", "tiny")):
+        config.label_smoothing = 0.5   # an image-classification key
+        with pytest.raises(ValueError, match=r"label_smoothing=0.5: the (mlm|glue) task trains"):
+            make_task(config).validate()
     config = glue_config("sst2", "tiny")
     config.data.task = "squad"
     with pytest.raises(ValueError, match="data.task='squad'"):

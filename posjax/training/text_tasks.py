@@ -93,7 +93,12 @@ class _TextTask(Task):
         return load_tokenizer(data.tokenizer, lowercase=bool(data.lowercase))
 
     def check_model(self) -> TextConfig:
-        """Tokenizer ids and data.max_seq_length must fit the model's tables."""
+        """Tokenizer ids and data.max_seq_length must fit the model's tables; and no
+        label_smoothing (an image-classification key the text losses do not apply)."""
+        smoothing = self.config.get("label_smoothing", 0.0)
+        if smoothing:
+            raise ValueError(f"label_smoothing={smoothing!r}: the {self.name} task trains on "
+                             "plain cross-entropy and would ignore it; set it to 0")
         cfg = self.model_config
         check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
                          "data.max_seq_length")
