@@ -134,6 +134,19 @@ def test_eval_reproduces_the_training_eval(runs):
         loop.evaluate(config, straight, step=5)
 
 
+def test_eval_prints_its_progress(runs, monkeypatch, capsys):
+    """A line per EVAL_PROGRESS_S after the first batch (its compile): batches done of the
+    pass, examples/s, ETA. 40 examples in batches of 16: 3 batches."""
+    config, straight, _, _ = runs
+    monkeypatch.setattr(loop, "EVAL_PROGRESS_S", 0.0)
+    loop.evaluate(config, straight)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("eval batch")]
+    assert [ln.split()[2] for ln in lines] == ["2/3", "3/3"]
+    assert re.fullmatch(r"eval batch 3/3  examples_per_s [0-9.e+]+  ETA 0:00:00", lines[-1])
+    progress = loop.EvalProgress(None)
+    assert progress.batch_done(16) is None and "2/?" in progress.batch_done(16)
+
+
 def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     """eval.py with config.init_from in a workdir that is not a run's evaluates those weights
     as they are, as step 0: a finished run's give its own final metrics. Weights that would

@@ -54,17 +54,20 @@ class SyntheticImages(ImageClassification):
                      "mask": np.bool_(True)} for i in range(n)]
         global_batch = batch_size * shard_count
         ds = grain.MapDataset.source(examples)
+        num_batches = None
         if train:
             ds = ds.shuffle(seed=seed).repeat()
         else:
             padded = -(-n // global_batch) * global_batch
             pad = {"image": examples[0]["image"], "label": np.int32(0), "mask": np.bool_(False)}
             ds = grain.MapDataset.source(examples + [pad] * (padded - n))
+            num_batches = padded // global_batch
         ds = ds.batch(global_batch, drop_remainder=True)
         start = shard_index * batch_size
         ds = ds.map(lambda b: _rows(b, start, batch_size))
         ds = ds.to_iter_dataset()
-        return types.SimpleNamespace(iterator=iter(ds), dataset=ds, num_examples=n)
+        return types.SimpleNamespace(iterator=iter(ds), dataset=ds, num_examples=n,
+                                     num_batches=num_batches)
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
@@ -561,12 +562,15 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 
 
 def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str, np.ndarray]],
-                   predictions_dir: pathlib.Path | None = None) -> dict[str, float]:
-    """One pass over the test split's ``batches`` (this process's; a grain iterator, closed at
-    the end to stop its input workers); per-example outputs gathered from every process, padded
-    examples dropped, then ``task.summarize`` (and ``task.write_predictions`` into
-    ``predictions_dir`` when given, on process 0)."""
+                   num_batches: int | None, predictions_dir: pathlib.Path | None = None
+                   ) -> dict[str, float]:
+    """One pass over the test split's ``batches`` (this process's, ``num_batches`` of them; a
+    grain iterator, closed at the end to stop its input workers); per-example outputs gathered
+    from every process, padded examples dropped, then ``task.summarize`` (and
+    ``task.write_predictions`` into ``predictions_dir`` when given, on process 0). Prints a
+    progress line (batches done, examples/s, ETA) at most every ``EVAL_PROGRESS_S``."""
     collected: dict[str, list[np.ndarray]] = {}
+    progress = EvalProgress(num_batches)
     with contextlib.closing(batches):   # as in train: stops the input workers
         for local in batches:
             batch = global_batch(local, run.mesh)
@@ -575,12 +579,44 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
             gathered = multihost_utils.process_allgather(outputs, tiled=True)
             for k, v in gathered.items():
                 collected.setdefault(k, []).append(np.asarray(v))
+            if (line := progress.batch_done(int(np.sum(gathered["__mask__"])))) is not None:
+                _print(run, line)
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:
         with ckpt_lib.writing(f"the predictions in {predictions_dir}"):
             run.task.write_predictions(outputs, predictions_dir)
     return run.task.summarize(outputs)
+
+
+EVAL_PROGRESS_S = 10.0   # run_evaluation's progress lines: at most one per this many seconds
+
+
+class EvalProgress:
+    """Progress of one evaluation pass: a line when ``EVAL_PROGRESS_S`` have passed since the
+    last one; rates count from the end of the first batch (its compile excluded)."""
+
+    def __init__(self, num_batches: int | None) -> None:
+        self.num_batches, self.done, self.examples = num_batches, 0, 0
+        self.start: float | None = None
+        self.last = self.start_examples = 0
+
+    def batch_done(self, real_examples: int) -> str | None:
+        self.done += 1
+        self.examples += real_examples
+        now = time.perf_counter()
+        if self.start is None:
+            self.start, self.last, self.start_examples = now, now, self.examples
+            return None
+        if now - self.last < EVAL_PROGRESS_S:
+            return None
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        per_s = (self.done - 1) / elapsed
+        eta = ("?" if self.num_batches is None else
+               datetime.timedelta(seconds=round((self.num_batches - self.done) / per_s)))
+        return (f"eval batch {self.done}/{self.num_batches or '?'}  examples_per_s "
+                f"{(self.examples - self.start_examples) / elapsed:.4g}  ETA {eta}")
 
 
 def split_tag(split: str) -> str:
@@ -689,6 +725,7 @@ def _evaluate_and_write(run: Run, params: Any, step: int, pipe: Any) -> dict[str
     eval_step = steps_lib.make_eval_step(run.task, run.model)
     with run.context():
         result = run_evaluation(run, params, eval_step, pipe.iterator,
+                                getattr(pipe, "num_batches", None),
                                 run.workdir / "predictions" / f"step_{step}{run.eval_tag}")
     path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
@@ -796,7 +833,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                     config.checkpoint.async_save, stop=stop)
                 try:
-                    return _train(run, checkpointer, pipe.iterator, test.dataset, stop_after)
+                    return _train(run, checkpointer, pipe.iterator, test.dataset,
+                                  getattr(test, "num_batches", None), stop_after)
                 finally:
                     checkpointer.close()
 
@@ -833,7 +871,8 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
 
 
 def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
-           test: Iterable[dict[str, np.ndarray]], stop_after: int | None) -> TrainResult:
+           test: Iterable[dict[str, np.ndarray]], test_batches: int | None,
+           stop_after: int | None) -> TrainResult:
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
@@ -882,7 +921,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             save()   # before a periodic eval: a stop during the eval then loses nothing
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
-                result = run_evaluation(run, state.params, eval_step, iter(test))
+                result = run_evaluation(run, state.params, eval_step, iter(test),
+                                        test_batches)
                 writer.write(step, "eval", result)
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
@@ -899,7 +939,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
-            result = run_evaluation(run, state.params, eval_step, iter(test))
+            result = run_evaluation(run, state.params, eval_step, iter(test), test_batches)
         writer.write_once(step, "eval", result)
     writer.close()
     path = write_eval(run, step, result)

@@ -37,7 +37,8 @@ with ``@register_task``, and implement:
     numpy batches of ``batch_size`` examples for this process; train: infinite; eval: one pass
     with the last batch padded, ``mask`` False), ``.dataset`` (the grain IterDataset behind it:
     ``iter(dataset)`` is a fresh pass, as a closable grain iterator; training evaluates the
-    test split that way, opened once) and ``.num_examples``.
+    test split that way, opened once), ``.num_examples`` and ``.num_batches`` (eval: batches
+    per process, for the progress line's ETA; None or absent: unknown).
 ``train_flops() -> flops.Flops``
     Analytic forward+backward model FLOPs (for MFU), see ``flops.py``: per example, plus the
     per-step work on shared position tables; a step of B examples costs ``.total(B)``.
