@@ -83,3 +83,26 @@ def test_a_figure_write_cut_short_leaves_the_previous_file(tmp_path, monkeypatch
         save_figure(plt.figure(), path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["loss_curve.png"]
+
+
+def test_the_loss_curve_shows_every_eval_with_its_score(tmp_path):
+    """Eval loss on the loss axis, and GLUE's task score (CoLA: the MCC, no accuracy) or else
+    accuracy on the other; it plotted only an eval accuracy, so GLUE CoLA/STS-B and MLM
+    eval losses were left out."""
+    import json
+
+    from posjax.training import metrics
+
+    train = [{"step": s, "split": "train", "loss": 1.0 / s} for s in (1, 2, 3, 4)]
+    cola = [{"step": s, "split": "eval", "loss": 0.6, "mcc": 0.1 * s, "score": 0.1 * s}
+            for s in (2, 4)]
+    assert metrics.curve_series(train + cola) == {
+        "train loss": [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25)],
+        "eval loss": [(2, 0.6), (4, 0.6)], "eval score": [(2, 0.2), (4, 0.4)]}
+    images = [{"step": 4, "split": "eval", "loss": float("nan"), "accuracy": 0.9}]
+    assert metrics.curve_series(train + images) == {"train loss": metrics.curve_series(
+        train)["train loss"], "eval accuracy": [(4, 0.9)]}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train + cola))
+    assert metrics.plot_curves(tmp_path).read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(cola[0]) + "\n")
+    assert metrics.plot_curves(tmp_path) is None   # no train loss yet: nothing to draw

@@ -297,31 +297,54 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+EVAL_SCORES = ("score", "accuracy")   # the right axis of loss_curve.png: the first found
+
+
+def curve_series(records: list[dict[str, Any]]
+                 ) -> dict[str, list[tuple[int, float]]]:
+    """The series of ``loss_curve.png`` from metrics records, by label: ``train loss``,
+    ``eval loss`` and ``eval <score>`` (the first of ``EVAL_SCORES`` the eval records have:
+    GLUE's task score, else accuracy), each [(step, value)], finite values only; empty
+    series left out."""
+    def series(split: str, key: str) -> list[tuple[int, float]]:
+        return [(r["step"], float(r[key])) for r in records
+                if r.get("split") == split and isinstance(r.get(key), (int, float))
+                and math.isfinite(r[key])]
+
+    out = {"train loss": series("train", "loss"), "eval loss": series("eval", "loss")}
+    for key in EVAL_SCORES:
+        if values := series("eval", key):
+            out[f"eval {key}"] = values
+            break
+    return {label: values for label, values in out.items() if values}
+
+
 def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
-    """``loss_curve.png``: train loss (left axis) and eval accuracy if any (right axis)."""
+    """``loss_curve.png``: train and eval loss (left axis) and the eval score (right axis,
+    ``curve_series``), one legend under the axes; None without train losses."""
     workdir = pathlib.Path(workdir)
-    records = read_metrics(workdir / "metrics.jsonl")
-    train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and "loss" in r]
-    if not train:
+    curves = curve_series(read_metrics(workdir / "metrics.jsonl"))
+    if "train loss" not in curves:
         return None
     from posjax.plots import pyplot, save_figure
 
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    lines = ax.plot(*zip(*curves.pop("train loss")), label="train loss", color="tab:blue")
+    if "eval loss" in curves:
+        lines += ax.plot(*zip(*curves.pop("eval loss")), "s--", label="eval loss",
+                         color="tab:green")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    evals = [(r["step"], r["accuracy"]) for r in records
-             if r["split"] == "eval" and "accuracy" in r]
-    if evals:
-        acc = ax.twinx()
-        acc.plot(*zip(*evals), "o-", label="eval accuracy", color="tab:orange")
-        acc.set_ylabel("eval accuracy")
-        acc.legend(loc="center right")
-    ax.legend(loc="upper right")
+    for label, values in curves.items():   # at most the one eval score
+        score = ax.twinx()
+        lines += score.plot(*zip(*values), "o-", label=label, color="tab:orange")
+        score.set_ylabel(label)
+    fig.legend(lines, [ln.get_label() for ln in lines], loc="lower center", ncol=len(lines),
+               frameon=False)
     ax.set_title(workdir.name)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     out = workdir / "loss_curve.png"
     save_figure(fig, out)
     return out
