@@ -495,10 +495,13 @@ def _copy_run(source, tmp_path):
     return workdir
 
 
-def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp_path):
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp_path,
+                                                                      monkeypatch):
     """A run's checkpoints with another model config (a config.json replaced by another run's):
-    one error naming the parameters that differ; it does not send the user to move good
-    checkpoints out."""
+    one error naming the parameters that differ, before any array is read (nothing left in
+    flight to report later); it does not send the user to move good checkpoints out."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     wider = syn.tiny_config(**{"model.hidden_size": 24, "model.mlp_dim": 40})
@@ -512,6 +515,8 @@ def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp
     (workdir / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(deeper)))
     with pytest.raises(ValueError, match=r"\(not in the checkpoint: encoder/layer_1/"):
         loop.evaluate(deeper, workdir)
+    gc.collect()
+    assert unraisable == []
 
 
 def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, monkeypatch):

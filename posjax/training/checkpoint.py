@@ -283,17 +283,17 @@ class Checkpointer:
                     f"checkpoint {path} holds input-iterator states for {', '.join(counts)} "
                     f"processes, not the current {jax.process_count()}: resume with the same "
                     "process count")
+        # Before reading any array: a restore that fails on the tree leaves reads in flight.
+        if differences := param_differences(path / "state", abstract_state.params):
+            raise ValueError(
+                f"checkpoint {path} holds the parameters of another model than config.model "
+                f"builds ({'; '.join(differences)}): it was saved with another config. Use "
+                "the config of the run that saved it (its config.json), or another "
+                "--workdir; the checkpoint itself is not damaged")
         try:
             with failures_reported_once(path):
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
-            differences = param_differences(path / "state", abstract_state.params)
-            if differences:
-                raise ValueError(
-                    f"checkpoint {path} holds the parameters of another model than config.model "
-                    f"builds ({'; '.join(differences)}): it was saved with another config. Use "
-                    "the config of the run that saved it (its config.json), or another "
-                    "--workdir; the checkpoint itself is not damaged") from e
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
                         if others else "and delete metrics.jsonl to start over")
