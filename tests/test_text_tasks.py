@@ -176,6 +176,16 @@ def test_bad_text_configs(shared_data):
     config.model["use_emd"] = True
     with pytest.raises(ValueError, match="use_emd"):
         make_task(config).validate()
+    config = mlm_config("bert_a", "tiny")
+    config.model["pos_att_type"] = ("c2p",)   # DeBERTa's: BERT-A would ignore it
+    with pytest.raises(ValueError, match=r"model.pos_att_type=\('c2p',\) has no effect with "
+                                         r"position_scheme='bert_abs' \(only deberta, "
+                                         r"deberta_v2 read it\)"):
+        make_task(config).validate()
+    config = glue_config("cola,deberta", "tiny")
+    config.model["tie_cls"] = True
+    with pytest.raises(ValueError, match=r"model.tie_cls=True .* \(only tupe_a, tupe_r read"):
+        make_task(config).validate()
     for config in (mlm_config("bert_a", "tiny"), glue_config("mrpc", "tiny")):
         config.label_smoothing = 0.5   # an image-classification key
         with pytest.raises(ValueError, match=r"label_smoothing=0.5: the (mlm|glue) task trains"):

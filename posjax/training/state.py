@@ -239,7 +239,7 @@ def _saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
 
 # Fields that change what the same parameters compute, which their shapes cannot show: for
 # every model, and for the position schemes that read them.
-_SAME_FUNCTION_FIELDS = {
+SAME_FUNCTION_FIELDS = {
     "*": ("position_scheme", "hidden_act", "layer_norm_eps", "qkv_bias"),
     "bert_rel": ("relative_buckets", "relative_max_distance"),
     "tupe_a": ("tie_cls",),
@@ -256,7 +256,7 @@ def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: b
     """(field, saved value, this value) for each field in which ``model_config`` (TextConfig /
     ViTConfig) computes differently from the saved model config ``saved`` with the same
     parameters: the activation, the LayerNorm epsilon, the position scheme and the settings
-    of its scheme, and of the saved scheme where that differs (``_SAME_FUNCTION_FIELDS``), so
+    of its scheme, and of the saved scheme where that differs (``SAME_FUNCTION_FIELDS``), so
     that one error lists every override; the pooler's activation when the checkpoint has a
     pooler (``with_pooler``). Only the fields ``saved`` holds are compared, unless
     ``missing_are_defaults`` (a train.py run's config, which leaves out fields at their
@@ -267,13 +267,13 @@ def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: b
         theirs = type(model_config).from_dict(saved)
     except (ValueError, TypeError):
         return []
-    fields = (_SAME_FUNCTION_FIELDS["*"] + (("pooler_act",) if with_pooler else ())
+    fields = (SAME_FUNCTION_FIELDS["*"] + (("pooler_act",) if with_pooler else ())
               + (("pooling",) if heads else ()))
     schemes = (model_config.position_scheme,
                *((theirs.position_scheme,) if "position_scheme" in saved
                  or missing_are_defaults else ()))
     for scheme in dict.fromkeys(schemes):
-        fields += tuple(f for f in _SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
+        fields += tuple(f for f in SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
     if not missing_are_defaults:
         fields = tuple(f for f in fields if f in saved)
     if getattr(model_config, "grid_size", None) != getattr(theirs, "grid_size", None):
