@@ -95,8 +95,9 @@ class _TextTask(Task):
         return load_tokenizer(data.tokenizer, lowercase=bool(data.lowercase))
 
     def check_model(self) -> TextConfig:
-        """Tokenizer ids and data.max_seq_length must fit the model's tables; and no
-        label_smoothing (an image-classification key the text losses do not apply)."""
+        """Tokenizer ids and data.max_seq_length must fit the model's tables; no setting the
+        position scheme does not read (``unread_scheme_settings``) and no label_smoothing (an
+        image-classification key the text losses do not apply): each would change nothing."""
         smoothing = self.config.get("label_smoothing", 0.0)
         if smoothing:
             raise ValueError(f"label_smoothing={smoothing!r}: the {self.name} task trains on "
