@@ -342,13 +342,12 @@ def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str
     ``abstract_params`` (anything with shapes): parameters the model has and the checkpoint
     lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
     the checkpoint's metadata cannot be read (a damaged checkpoint)."""
-    handler = ocp.PyTreeCheckpointHandler()
     try:
-        saved = dict(getattr(meta := handler.metadata(state_dir), "tree", meta)).get("params")
-    except Exception:   # noqa: BLE001 -- unreadable metadata: the restore error says why
+        meta = read_item(state_dir, ocp.PyTreeCheckpointHandler(),
+                         lambda handler: handler.metadata(state_dir))
+    except ValueError:   # unreadable metadata: the restore's error says why
         return []
-    finally:
-        handler.close()
+    saved = dict(getattr(meta, "tree", meta)).get("params")
     if not isinstance(saved, dict):
         return []
 

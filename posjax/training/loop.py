@@ -438,12 +438,13 @@ def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
             "here, delete metrics.jsonl; or use a new --workdir")
 
 
-def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict
+                      ) -> dict[str, Any] | None:
     """Evaluation may change only EVAL_KEYS against the run's ``config.json`` (the rest defines
-    the model and the state its checkpoints hold)."""
+    the model and the state its checkpoints hold). Returns that saved config (None: none)."""
     saved = read_saved_config(workdir)
     if saved is None:
-        return
+        return None
     diffs = config_differences(with_model_defaults(saved),
                                with_model_defaults(config_dict(config)), EVAL_KEYS)
     if diffs:
@@ -452,6 +453,7 @@ def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
             "model or its checkpointed state:\n  " + "\n  ".join(diffs[:20])
             + "\nEvaluate with the run's own config (eval.py reads it when --config is not "
             "given); overrides may change only " + ", ".join(EVAL_KEYS))
+    return saved
 
 
 # ----------------------------------------------------------------------------- run setup
@@ -530,8 +532,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                          "(or give config.init_from to evaluate pretrained weights)")
     else:
         check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
-        check_eval_config(workdir, config)
-        tag = eval_tag(read_saved_config(workdir), config)
+        tag = eval_tag(check_eval_config(workdir, config), config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
