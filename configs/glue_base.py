@@ -5,7 +5,7 @@ decay), reading TFDS glue/<task> (or --config.data.glue_dir=<GLUE download folde
         --config.init_from=<converted or exported encoder> --config.data.tokenizer=<vocab>
 
 The variant is ``task`` or ``task,scheme`` (schemes bert_a, bert_r, tupe_a, tupe_r (default),
-deberta).
+bert_a_d, deberta).
 """
 from posjax.training.text_recipes import glue_config
 

@@ -5,7 +5,7 @@
     python eval.py --workdir runs/sst2_tupe_r               # dev metrics + SST-2.validation.tsv
 
 The variant is ``task`` or ``task,scheme`` (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli;
-schemes bert_a, bert_r, tupe_a, tupe_r (default), deberta). See RESULTS.md.
+schemes bert_a, bert_r, tupe_a, tupe_r (default), bert_a_d, deberta). See RESULTS.md.
 """
 from posjax.training.text_recipes import glue_config
 

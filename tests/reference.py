@@ -200,22 +200,41 @@ def disentangled_attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray,
     return attend(masked_softmax(logits, visible), v, p["out"])
 
 
-def tupe_table_correlation(p: Params, length: int, num_heads: int, eps: float) -> np.ndarray:
-    """TUPE: P = LN(table[0 : L+1]); A = (P U_Q + b)/√(2d) · (P U_K + b)ᵀ per head.
+def four_term_attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray,
+                        visible: np.ndarray, terms: Mapping[str, np.ndarray]) -> np.ndarray:
+    """BERT-A-d: a_ij = [(x_i W_Q)(x_j W_K)ᵀ + (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ
+    + (p_i U_Q)(p_j U_K)ᵀ] / √(4d), each term with its own projections; the last is
+    ``terms['bias']``, already scaled. Queries are the first Lq tokens."""
+    q, k, v = linear(x_q, p["query"]), linear(x_kv, p["key"]), linear(x_kv, p["value"])
+    word_q, word_k = linear(x_q, p["query_for_positions"]), linear(x_kv, p["key_for_positions"])
+    lq = x_q.shape[1]
+    pos_q, pos_k = terms["position_query"][:lq], terms["position_key"]
+    word_word = np.einsum("bqhd,bkhd->bhqk", q, k)
+    word_pos = np.einsum("bqhd,khd->bhqk", word_q, pos_k)
+    pos_word = np.einsum("qhd,bkhd->bhqk", pos_q, word_k)
+    logits = (word_word + word_pos + pos_word) / math.sqrt(4 * cfg.head_dim)
+    logits = logits + terms["bias"][:, :lq]
+    return attend(masked_softmax(logits, visible), v, p["out"])
+
+
+def tupe_table_correlation(p: Params, length: int, num_heads: int, eps: float,
+                           terms: int = 2) -> np.ndarray:
+    """TUPE: P = LN(table[0 : L+1]); A = (P U_Q + b)/√(terms·d) · (P U_K + b)ᵀ per head
+    (2 terms in TUPE, 4 in BERT-A-d).
 
     -> (h, L+1, L+1); row/column 0 is the [CLS] table row."""
     pos = layer_norm(p["position_embeddings"][: length + 1], p["norm"], eps)
     d = pos.shape[-1] // num_heads
-    pq = linear(pos, p["query"]) / math.sqrt(2 * d)
+    pq = linear(pos, p["query"]) / math.sqrt(terms * d)
     pk = linear(pos, p["key"])
     return np.einsum("ihd,jhd->hij", pq, pk)
 
 
 def tupe_position_logits(p: Params, length: int, num_heads: int, eps: float,
-                         untie_cls: bool) -> np.ndarray:
+                         untie_cls: bool, terms: int = 2) -> np.ndarray:
     """TUPE's term (h, L, L): B = A[:, 1:, 1:] (token i uses table row i + 1); untied [CLS]:
     column 0 := θ2 = A[:, 1, 1], then row 0 := θ1 = A[:, 0, 0]."""
-    a = tupe_table_correlation(p, length, num_heads, eps)
+    a = tupe_table_correlation(p, length, num_heads, eps, terms)
     b = a[:, 1:, 1:].copy()
     if untie_cls:
         b[:, :, 0] = a[:, 1, 1][:, None]
@@ -240,6 +259,14 @@ def position_terms(p_enc: Params, cfg, length: int, coords: list[np.ndarray],
     if scheme in ("tupe_a", "tupe_r"):
         bias = tupe_position_logits(p_enc["tupe_bias"], length, cfg.num_heads,
                                     cfg.layer_norm_eps, untie_cls=has_cls and not cfg.tie_cls)
+    if scheme == "bert_abs_d":
+        # Four terms, [CLS] tied; the position sides of the mixed terms use token i's row i + 1.
+        p = p_enc["tupe_bias"]
+        pos = layer_norm(p["position_embeddings"][1: length + 1], p["norm"], cfg.layer_norm_eps)
+        return {"bias": tupe_position_logits(p, length, cfg.num_heads, cfg.layer_norm_eps,
+                                             untie_cls=False, terms=4),
+                "position_query": linear(pos, p["query_for_words"]),
+                "position_key": linear(pos, p["key_for_words"])}
     if scheme in ("bert_rel", "tupe_r"):
         cls_first = has_cls and (is_grid or (scheme == "tupe_r" and not cfg.tie_cls))
         rel = t5_bias(p_enc["relative_bias"]["rel_bias"], coords, cfg.relative_buckets,
@@ -256,6 +283,8 @@ def attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray, visible: np.nda
     if cfg.position_scheme in DEBERTA:
         return disentangled_attention(p, cfg, x_q, x_kv, visible, terms["rel_table"],
                                       query_coords, key_coords)
+    if cfg.position_scheme == "bert_abs_d":
+        return four_term_attention(p, cfg, x_q, x_kv, visible, terms)
     factor = 2 if cfg.position_scheme in ("tupe_a", "tupe_r") else 1
     return dot_product_attention(p, x_q, x_kv, visible, 1 / math.sqrt(factor * cfg.head_dim),
                                  terms.get("bias"))

@@ -49,12 +49,14 @@ TEXT_CASES = {
     "deberta_v2 conv 1 layer (full)": text("deberta_v2", conv_kernel_size=3, num_layers=1),
     "bert_abs 1 layer": text("bert_abs", num_layers=1),
     "tupe_r remat": text("tupe_r", remat=True),
+    "bert_abs_d": text("bert_abs_d"),
 }
 VIT_CASES = {
     "vit": vit("vit"),
     "vit tupe_r": vit("tupe_r"),
     "vit bert_rel": vit("bert_rel"),
     "vit tupe_a": vit("tupe_a"),
+    "vit bert_abs_d": vit("bert_abs_d"),
 }
 
 

@@ -249,6 +249,11 @@ def test_attention_blocks_refuse_inputs_they_would_misread():
     params = mha.init(jax.random.PRNGKey(0), x, x)
     with pytest.raises(ValueError, match=r"mask \(4, 4\) must be .* m\[:, None, None, :\]"):
         mha.apply(params, x, x, mask=token_mask)
+    rows = np.ones((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="give position_query and position_key together"):
+        mha.apply(params, x, x, position_key=rows)
+    with pytest.raises(ValueError, match=r"position_key \(3, 2, 8\) must be \(L=4, heads=2, "):
+        mha.apply(params, x, x, position_query=rows, position_key=rows[:3])
     att = DisentangledAttention(num_heads=2, head_dim=8, pos_att_type=("c2p", "p2c"), span=4,
                                 max_relative_positions=4)
     table = np.ones((8, 16), np.float32)

@@ -41,6 +41,7 @@ SCHEMES = {
     "bert_rel": text_config("bert_rel"),
     "tupe_a": text_config("tupe_a"),
     "tupe_r": text_config("tupe_r"),
+    "bert_abs_d": text_config("bert_abs_d"),
     "deberta": text_config("deberta", max_relative_positions=8, position_biased_input=False,
                            use_emd=True),
     "deberta_v2": text_config("deberta_v2", position_buckets=8, max_relative_positions=16,
@@ -81,7 +82,7 @@ def test_relative_only_schemes_are_shift_equivariant(scheme):
         assert max_abs_error(np.roll(moved, -shift, axis=1), out, real) <= 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["bert_abs", "tupe_a"])
+@pytest.mark.parametrize("scheme", ["bert_abs", "tupe_a", "bert_abs_d"])
 def test_absolute_schemes_are_not_shift_equivariant(scheme):
     """Control for the test above: absolute positions do change with the shift."""
     cfg = SCHEMES[scheme]
@@ -95,12 +96,12 @@ def test_absolute_schemes_are_not_shift_equivariant(scheme):
 
 # --- TUPE: computed once, shared by every layer, [CLS] untied --------------------------------
 
-@pytest.mark.parametrize("scheme", ["tupe_a", "tupe_r", "bert_rel"])
+@pytest.mark.parametrize("scheme", ["tupe_a", "tupe_r", "bert_rel", "bert_abs_d"])
 def test_position_term_is_computed_once_and_shared_by_every_layer(scheme):
     cfg = text_config(scheme, num_layers=3)
     params = params_for(TextEncoder, cfg)
     calls = collections.Counter()
-    layer_biases = []
+    layer_biases, layer_mixed = [], []
 
     def spy(next_fun, args, kwargs, context):
         if context.method_name == "__call__":
@@ -108,11 +109,12 @@ def test_position_term_is_computed_once_and_shared_by_every_layer(scheme):
                 calls[type(context.module).__name__] += 1
             if isinstance(context.module, MultiHeadAttention):
                 layer_biases.append(kwargs["bias"])
+                layer_mixed.append((kwargs["position_query"], kwargs["position_key"]))
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(spy):
         TextEncoder(cfg).apply(params, **batch())
-    expected_calls = {"TupePositionBias": int(scheme.startswith("tupe")),
+    expected_calls = {"TupePositionBias": int(scheme in ("tupe_a", "tupe_r", "bert_abs_d")),
                       "T5RelativeBias": int(scheme in ("tupe_r", "bert_rel"))}
     assert calls == +collections.Counter(expected_calls)
     assert len(layer_biases) == cfg.num_layers
@@ -121,6 +123,14 @@ def test_position_term_is_computed_once_and_shared_by_every_layer(scheme):
     expected = ref.position_terms(p_enc, cfg, L, [np.arange(L)], has_cls=True, is_grid=False)
     assert layer_biases[0].shape == (1, cfg.num_heads, L, L)   # broadcast over the batch
     assert max_abs_error(layer_biases[0][0], expected["bias"]) <= 1e-5
+    if scheme != "bert_abs_d":
+        assert all(m == (None, None) for m in layer_mixed)
+        return
+    # BERT-A-d's mixed terms: the position sides too are computed once, for the batch.
+    assert all(m[0] is layer_mixed[0][0] and m[1] is layer_mixed[0][1] for m in layer_mixed)
+    for name, value in zip(("position_query", "position_key"), layer_mixed[0]):
+        assert value.shape == (L, cfg.num_heads, cfg.head_dim)
+        assert max_abs_error(value, expected[name]) <= 1e-5
 
 
 @pytest.mark.parametrize("tie_cls", [False, True])
@@ -130,7 +140,7 @@ def test_tupe_cls_row_and_column_are_theta(tie_cls):
     cfg = SCHEMES["tupe_a"]
     p = params_for(TextEncoder, cfg)["params"]["encoder"]["tupe_bias"]
     term = np.asarray(TupePositionBias(cfg.num_heads, cfg.head_dim, L, cfg.layer_norm_eps,
-                                       untie_cls=not tie_cls).apply({"params": p}, L))
+                                       untie_cls=not tie_cls).apply({"params": p}, L)["bias"])
     a = ref.tupe_table_correlation(ref.to_float64(p), L, cfg.num_heads, cfg.layer_norm_eps)
     if tie_cls:
         assert max_abs_error(term, a[:, 1:, 1:]) <= 1e-5

@@ -117,7 +117,7 @@ def test_deberta_index_matches_reference(span, buckets, max_position):
         ref.deberta_index(q[None], k, span, buckets, max_position)[0])
 
 
-# --- BERT-A/R and TUPE-A/R ---------------------------------------------------------------------
+# --- BERT-A/R, TUPE-A/R and BERT-A-d ---------------------------------------------------------------------
 
 BERT_TUPE = {
     "bert_abs": text_config("bert_abs"),
@@ -127,6 +127,8 @@ BERT_TUPE = {
     "tupe_r": text_config("tupe_r", relative_buckets=16, relative_max_distance=20),
     "tupe_r/tie_cls": text_config("tupe_r", tie_cls=True),
     "tupe_r/embedding_size": text_config("tupe_r", embedding_size=16, hidden_act="gelu_tanh"),
+    "bert_abs_d": text_config("bert_abs_d"),
+    "bert_abs_d/scan_layers": text_config("bert_abs_d", num_layers=3, scan_layers=True),
 }
 
 

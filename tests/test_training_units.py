@@ -58,8 +58,10 @@ def _matmul_flops(jaxpr) -> float:
     # A one-row grid: both axes' indices are Toeplitz, but only text takes the relative shift.
     {"position_scheme": "deberta", "pooling": "gap", "image_size": (4, 16), "gather": "skew"},
     {"position_scheme": "deberta", "pooling": "first"},
+    {"position_scheme": "bert_abs_d"},
+    {"position_scheme": "bert_abs_d", "pooling": "gap"},
 ], ids=["vit", "map_prelogits", "tupe_r", "deberta", "hybrid", "tupe_r_token",
-        "deberta_one_row_grid", "deberta_first_patch"])
+        "deberta_one_row_grid", "deberta_first_patch", "bert_abs_d_token", "bert_abs_d_gap"])
 def test_analytic_flops_equal_the_traced_matmuls(overrides):
     """A batch of 3 images: B · per_example + per_step equals the traced model's matmuls (the
     position tables of TUPE and DeBERTa are computed once per batch, not per image)."""
@@ -95,6 +97,7 @@ def test_train_flops_equal_the_traced_gradient_matmuls():
 @pytest.mark.parametrize("overrides", [
     {"position_scheme": "bert_abs"},
     {"position_scheme": "tupe_r"},
+    {"position_scheme": "bert_abs_d"},
     {"position_scheme": "deberta_v2", "max_relative_positions": 16, "position_buckets": 4,
      "share_att_key": True, "conv_kernel_size": 3},
     {"position_scheme": "deberta", "max_relative_positions": 4},
@@ -107,7 +110,7 @@ def test_train_flops_equal_the_traced_gradient_matmuls():
     {"position_scheme": "deberta_v2", "max_relative_positions": 16, "position_buckets": 4,
      "gather": "skew"},
     {"position_scheme": "deberta", "max_relative_positions": 4, "gather": "skew"},
-], ids=["bert_abs", "tupe_r", "deberta_v2_conv", "deberta_v1", "deberta_v2_shift_short",
+], ids=["bert_abs", "tupe_r", "bert_abs_d", "deberta_v2_conv", "deberta_v1", "deberta_v2_shift_short",
         "deberta_v1_shift_short", "deberta_v2_take_short", "deberta_v2_skew_long",
         "deberta_v1_skew_long"])
 def test_classifier_flops_equal_the_traced_matmuls(overrides):
@@ -163,6 +166,12 @@ def test_position_flops_per_step_and_per_example_by_hand():
     tupe = TextConfig(**base, position_scheme="tupe_a")
     assert flops.text_encoder_forward_flops(tupe, 6) == flops.Flops(
         2 * layer, 2 * 2 * 7 * 8 * 8 + 2 * 7 * 7 * 8)
+    # BERT-A-d: TUPE's part, the mixed terms' position sides on T rows (per step), and per
+    # layer the word sides 2·2T·H² and the two products 2·2·T·T·H (per example).
+    four_terms = TextConfig(**base, position_scheme="bert_abs_d")
+    mixed = 2 * 12 * 8 * 8 + 2 * 2 * 6 * 6 * 8                                   # 2688
+    assert flops.text_encoder_forward_flops(four_terms, 6) == flops.Flops(
+        2 * layer + 2 * mixed, 2 * 2 * 7 * 8 * 8 + 2 * 7 * 7 * 8 + 2 * 2 * 6 * 8 * 8)
 
 
 def test_vit_b16_flops_match_the_published_count():

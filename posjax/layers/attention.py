@@ -147,11 +147,25 @@ def content_logits(query: Array, key: Array, scale: float) -> Array:
                       preferred_element_type=jnp.float32) * scale
 
 
+def mixed_logits(word: Array, positions: Array, scale: float, word_is_query: bool) -> Array:
+    """A word/position correlation term * scale -> fp32 (B, h, Lq, Lk): word (B, L, h, d) against
+    positions (L', h, d), one table shared by the whole batch. word_is_query: (x_i W)(p_j U)ᵀ,
+    else (p_i U)(x_j W)ᵀ."""
+    spec = "bqhd,khd->bhqk" if word_is_query else "bkhd,qhd->bhqk"
+    return jnp.einsum(spec, word, positions.astype(word.dtype),
+                      preferred_element_type=jnp.float32) * scale
+
+
 class MultiHeadAttention(nn.Module):
     """softmax(q·k * logit_scale + bias, mask) v, then the output projection.
 
     ``bias``: any additive term broadcastable to (B, h, Lq, Lk) — T5 buckets, TUPE's positional
     correlation — computed once by the encoder and shared by all layers.
+
+    ``position_key`` (Lk, h, d) / ``position_query`` (Lq, h, d), both or neither: BERT-A-d's
+    mixed terms (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ, scaled like q·k. The position
+    sides are shared by every layer; W̃_Q (``query_for_positions``) and W̃_K
+    (``key_for_positions``) belong to this layer.
     """
 
     num_heads: int
@@ -163,15 +177,31 @@ class MultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
-                 bias: Array | None = None, train: bool = False) -> Array:
+                 bias: Array | None = None, position_query: Array | None = None,
+                 position_key: Array | None = None, train: bool = False) -> Array:
         """x_q (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk) -> (B, Lq, H)."""
         check_attention_inputs(x_q, x_kv, mask)
+        if (position_query is None) != (position_key is None):
+            raise ValueError("give position_query and position_key together (BERT-A-d's two "
+                             "mixed terms), or neither")
         hd = (self.num_heads, self.head_dim)
+        for name, table, x in (("position_query", position_query, x_q),
+                               ("position_key", position_key, x_kv)):
+            if table is not None and tuple(table.shape) != (x.shape[1],) + hd:
+                raise ValueError(f"{name} {tuple(table.shape)} must be (L={x.shape[1]}, "
+                                 f"heads={hd[0]}, head_dim={hd[1]}): one row per token")
         names = ("embed", "heads", "kv")
-        q = dense(hd, names, name="query", dtype=self.dtype, use_bias=self.qkv_bias)(x_q)
-        k = dense(hd, names, name="key", dtype=self.dtype, use_bias=self.qkv_bias)(x_kv)
-        v = dense(hd, names, name="value", dtype=self.dtype, use_bias=self.qkv_bias)(x_kv)
+
+        def project(name: str, x: Array) -> Array:
+            return dense(hd, names, name=name, dtype=self.dtype, use_bias=self.qkv_bias)(x)
+
+        q, k, v = project("query", x_q), project("key", x_kv), project("value", x_kv)
         logits = content_logits(q, k, self.logit_scale)
+        if position_key is not None:
+            logits = logits + mixed_logits(project("query_for_positions", x_q), position_key,
+                                           self.logit_scale, word_is_query=True)
+            logits = logits + mixed_logits(project("key_for_positions", x_kv), position_query,
+                                           self.logit_scale, word_is_query=False)
         if bias is not None and bias.ndim == 4 and bias.shape[0] == 1:
             logits = add_shared_bias(logits, bias.astype(jnp.float32))
         elif bias is not None:

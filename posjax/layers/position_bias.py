@@ -2,7 +2,8 @@
 
 * ``T5RelativeBias``: b[h, i, j] = table[bucket(j − i), h] (BERT-R, TUPE-R; not scaled).
 * ``TupePositionBias``: TUPE's untied absolute correlation (Ke et al. 2021, Eq. 6 and §3.2):
-  A = (LN(P) U_Q)(LN(P) U_K)ᵀ / √(2d), with the [CLS] row/column reset to θ1/θ2.
+  A = (LN(P) U_Q)(LN(P) U_K)ᵀ / √(2d), with the [CLS] row/column reset to θ1/θ2; for the
+  BERT-A-d ablation also the position sides of its two mixed word/position terms.
 """
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ class T5RelativeBias(nn.Module):
 
 
 class TupePositionBias(nn.Module):
-    """TUPE positional correlation (h, L, L) from a (max_len + 1, H) table.
+    """TUPE positional correlation from a (max_len + 1, H) table -> {'bias': (h, L, L)}.
 
-    P = LN(table[:L+1]); A = (P U_Q + b_Q)(P U_K + b_K)ᵀ / √(2d) per head, (h, L+1, L+1).
-    Token i uses table row i + 1; with ``untie_cls`` the result's row 0 is θ1 = A[0, 0] and its
-    column 0 is θ2 = A[1, 1] (row wins at [0, 0]).
+    P = LN(table[:L+1]); A = (P U_Q + b_Q)(P U_K + b_K)ᵀ · ``logit_scale`` per head,
+    (h, L+1, L+1), 1/√(2d) by default. Token i uses table row i + 1; with ``untie_cls`` the
+    result's row 0 is θ1 = A[0, 0] and its column 0 is θ2 = A[1, 1] (row wins at [0, 0]).
+
+    ``mixed_terms`` (BERT-A-d): also the position sides of the word-to-position and
+    position-to-word terms, shared by every layer like A: 'position_query' P Ũ_Q + b and
+    'position_key' P Ũ_K + b, each (L, h, d) for tokens 0…L−1 (rows 1…L), not scaled.
     """
 
     num_heads: int
@@ -50,9 +55,11 @@ class TupePositionBias(nn.Module):
     max_len: int
     eps: float = 1e-5
     untie_cls: bool = True
+    logit_scale: float | None = None
+    mixed_terms: bool = False
 
     @nn.compact
-    def __call__(self, length: int) -> Array:
+    def __call__(self, length: int) -> dict[str, Array]:
         if length > self.max_len:
             raise ValueError(f"length {length} exceeds max_len={self.max_len} positions of the "
                              "table: truncate the inputs or enlarge the table")
@@ -61,12 +68,19 @@ class TupePositionBias(nn.Module):
             DEFAULT_INIT, ("pos", "embed")), (self.max_len + 1, hidden), jnp.float32)
         p = layer_norm(self.eps, name="norm", dtype=jnp.float32)(table[: length + 1])
         hd = (self.num_heads, self.head_dim)
-        pq = dense(hd, ("embed", "heads", "kv"), name="query", dtype=jnp.float32)(p)
-        pk = dense(hd, ("embed", "heads", "kv"), name="key", dtype=jnp.float32)(p)
-        a = jnp.einsum("qhd,khd->hqk", pq * (2 * self.head_dim) ** -0.5, pk)
+
+        def project(name: str, rows: Array = p) -> Array:
+            return dense(hd, ("embed", "heads", "kv"), name=name, dtype=jnp.float32)(rows)
+
+        scale = (2 * self.head_dim) ** -0.5 if self.logit_scale is None else self.logit_scale
+        a = jnp.einsum("qhd,khd->hqk", project("query") * scale, project("key"))
         b = a[:, 1:, 1:]
         if self.untie_cls:
             first = np.arange(length) == 0
             b = jnp.where(first[None, None, :], a[:, 1, 1][:, None, None], b)   # column 0: θ2
             b = jnp.where(first[None, :, None], a[:, 0, 0][:, None, None], b)   # row 0: θ1
-        return b
+        terms = {"bias": b}
+        if self.mixed_terms:
+            terms["position_query"] = project("query_for_words", p[1:])
+            terms["position_key"] = project("key_for_words", p[1:])
+        return terms

@@ -9,7 +9,10 @@ import dataclasses
 import numbers
 from typing import Any, Mapping
 
-TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "deberta", "deberta_v2")
+TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "bert_abs_d", "deberta",
+                "deberta_v2")
+# Schemes whose position correlation comes from TUPE's untied absolute table (position_bias.py).
+UNTIED_SCHEMES = ("tupe_a", "tupe_r", "bert_abs_d")
 VIT_SCHEMES = ("vit",) + TEXT_SCHEMES
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
 POOLINGS = ("token", "first", "gap", "map")
@@ -129,7 +132,8 @@ class TextConfig:
     relative_buckets: int = 32
     relative_max_distance: int = 128
     # TUPE.
-    tie_cls: bool = False                # paper ablation: no untied [CLS] reset
+    tie_cls: bool = False                # paper ablation: no untied [CLS] reset (bert_abs_d
+                                         # never resets)
     # DeBERTa.
     pos_att_type: tuple[str, ...] = ("c2p", "p2c")
     max_relative_positions: int = 512    # v1: span k; v2: max_position for log buckets

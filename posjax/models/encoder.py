@@ -19,7 +19,7 @@ from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_
 from posjax.layers.disentangled import DisentangledAttention
 from posjax.layers.dropout import Dropout
 from posjax.layers.position_bias import T5RelativeBias, TupePositionBias
-from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.config import UNTIED_SCHEMES, TextConfig, ViTConfig
 
 Array = jax.Array
 Config = TextConfig | ViTConfig
@@ -32,8 +32,9 @@ def compute_dtype(cfg: Config) -> jnp.dtype:
 
 
 def logit_scale(cfg: Config) -> float:
-    """1/√d (BERT, ViT) or 1/√(2d) (TUPE: word and position correlations share the budget)."""
-    factor = 2 if cfg.position_scheme in ("tupe_a", "tupe_r") else 1
+    """1/√d (BERT, ViT), 1/√(2d) (TUPE: word and position correlations share the budget) or
+    1/√(4d) (BERT-A-d: word-word, word-position, position-word and position-position)."""
+    factor = {"tupe_a": 2, "tupe_r": 2, "bert_abs_d": 4}.get(cfg.position_scheme, 1)
     return float(factor * cfg.head_dim) ** -0.5
 
 
@@ -90,7 +91,9 @@ class EncoderLayer(nn.Module):
                 qkv_bias=getattr(cfg, "qkv_bias", True), name="attention")
 
             def attend(q, kv):
-                return attention(q, kv, mask=mask, bias=terms.get("bias"), train=train)
+                return attention(q, kv, mask=mask, bias=terms.get("bias"),
+                                 position_query=terms.get("position_query"),
+                                 position_key=terms.get("position_key"), train=train)
 
         drop = Dropout(cfg.dropout_rate)
         mlp = Mlp(cfg.mlp_dim, cfg.hidden_act, dtype=dtype, dropout_rate=cfg.dropout_rate,
@@ -148,11 +151,14 @@ class Encoder(nn.Module):
                 # On a grid [CLS] has no position: its pairs always use the two extra buckets.
                 untie_cls=(untie and scheme == "tupe_r") or (self.grid is not None and self.has_cls),
                 grid=self.grid)
-        if scheme.startswith("tupe"):
+        if scheme in UNTIED_SCHEMES:
             max_len = (cfg.max_position_embeddings if isinstance(cfg, TextConfig)
                        else cfg.num_tokens)
-            self.tupe_bias = TupePositionBias(cfg.num_heads, cfg.head_dim, max_len,
-                                              eps=cfg.layer_norm_eps, untie_cls=untie)
+            # BERT-A-d (TUPE's ablation) keeps [CLS] tied and adds the two mixed terms.
+            mixed = scheme == "bert_abs_d"
+            self.tupe_bias = TupePositionBias(
+                cfg.num_heads, cfg.head_dim, max_len, eps=cfg.layer_norm_eps,
+                untie_cls=untie and not mixed, logit_scale=logit_scale(cfg), mixed_terms=mixed)
         if scheme in DEBERTA:
             axes = 1 if self.grid is None else 2
             self.rel_embeddings = self.param(
@@ -237,8 +243,9 @@ class Encoder(nn.Module):
             self.sow("intermediates", name, value)
 
     def position_terms(self, length: int) -> dict[str, Array]:
-        """The additive terms every layer shares, computed once: {'bias': (h, L, L)} or
-        {'rel_table': (A·2k, H)}."""
+        """The additive terms every layer shares, computed once: {'bias': (1, h, L, L)} (with
+        BERT-A-d also the position sides of its mixed terms, 'position_query' and
+        'position_key', (L, h, d) each) or {'rel_table': (A·2k, H)}."""
         cfg = self.cfg
         scheme = cfg.position_scheme
         terms: dict[str, Array] = {}
@@ -249,8 +256,10 @@ class Encoder(nn.Module):
             terms["rel_table"] = table.astype(compute_dtype(cfg))
             return terms
         bias = None
-        if scheme.startswith("tupe"):
-            bias = self.tupe_bias(length)
+        if scheme in UNTIED_SCHEMES:
+            untied = self.tupe_bias(length)
+            bias = untied.pop("bias")
+            terms.update(untied)
         if scheme in ("bert_rel", "tupe_r"):
             rel = self.relative_bias(length)
             bias = rel if bias is None else bias + rel
@@ -304,9 +313,11 @@ class Encoder(nn.Module):
     def _first_query(h: Array, mask: Array, terms: dict[str, Any]
                      ) -> tuple[Array, Array, Array, dict[str, Any], Array]:
         """A layer's (x_q, x_kv, mask, terms, query_positions) for token 0's query alone:
-        (B, 1, H) queries against all (B, L, H) keys; the (·, ·, Lq, Lk) mask and shared bias
-        cut to row 0; DeBERTa's relative index taken at query position 0 (static, shared)."""
-        rows = {k: v[:, :, :1] if k == "bias" else v for k, v in terms.items()}
+        (B, 1, H) queries against all (B, L, H) keys; the (·, ·, Lq, Lk) mask, shared bias and
+        BERT-A-d's position queries cut to row 0; DeBERTa's relative index taken at query
+        position 0 (static, shared)."""
+        cut = {"bias": lambda v: v[:, :, :1], "position_query": lambda v: v[:1]}
+        rows = {k: cut[k](v) if k in cut else v for k, v in terms.items()}
         return h[:, :1], h, mask[:, :, :1], rows, np.zeros((1, 1), np.int32)
 
     def enhanced_mask_decoder(self, hidden_prev: Array, z: Array, token_mask: Array,

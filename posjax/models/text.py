@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from posjax.layers.attention import ACTIVATIONS, DEFAULT_INIT, dense, layer_norm
 from posjax.layers.dropout import Dropout
-from posjax.models.config import TextConfig
+from posjax.models.config import UNTIED_SCHEMES, TextConfig
 from posjax.models.encoder import DEBERTA, Encoder, compute_dtype
 
 Array = jax.Array
@@ -176,7 +176,7 @@ class TextEncoder(nn.Module):
         cfg = self.cfg
         check_token_inputs(input_ids, attention_mask, token_type_ids)
         length = input_ids.shape[1]
-        if cfg.position_scheme in ("tupe_a", "tupe_r") and length > cfg.max_position_embeddings:
+        if cfg.position_scheme in UNTIED_SCHEMES and length > cfg.max_position_embeddings:
             raise ValueError(
                 f"sequence length {length} exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")

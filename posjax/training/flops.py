@@ -12,6 +12,9 @@ gathers are ignored, as is usual for MFU. With T tokens, H hidden, M MLP width:
   - ``vit``/``bert_abs``/``bert_rel``/``tupe_r``'s T5 part: additions and gathers only, 0;
   - TUPE, once per forward on the (T+1, H) table, whatever the batch: projections
     2 · 2(T+1)H², correlation 2 · (T+1)² · H (PER STEP);
+  - BERT-A-d: TUPE's part, plus the position sides of its two mixed terms 2 · 2TH² (PER
+    STEP), and per layer the word sides 2 · (Q + T) · H² and the two products 2 · 2 · Q · T · H
+    (per example; Q = T, or 1 in a [CLS] classifier's last layer);
   - DeBERTa, per layer and per term (c2p, p2c) on the R-row relative table: projection
     2 · R · H² once per forward (PER STEP), product with each example's content queries/keys
     2 · T · R · H (per example) (R = axes · 2k);
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from posjax.layers.disentangled import takes_relative_shift
-from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.config import UNTIED_SCHEMES, TextConfig, ViTConfig
 from posjax.models.encoder import can_run_first_only, relative_span
 
 TRAIN_FACTOR = 3.0
@@ -74,9 +77,18 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
     position axis (axes·2·T·H per example) instead of the product with all R rows."""
     h = cfg.hidden_size
     scheme = cfg.position_scheme
-    if scheme in ("tupe_a", "tupe_r"):
+    if scheme in UNTIED_SCHEMES:
         rows = tokens + 1
-        return Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
+        untied = Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
+        if scheme != "bert_abs_d":
+            return untied
+
+        def mixed_layer(queries: int) -> float:
+            return 2.0 * (queries + tokens) * h * h + 2.0 * 2 * queries * tokens * h
+
+        last = mixed_layer(1 if first_only else tokens)
+        per_example = (cfg.num_layers - 1) * mixed_layer(tokens) + last
+        return untied + Flops(per_example=per_example, per_step=2.0 * 2 * tokens * h * h)
     if scheme in ("deberta", "deberta_v2"):
         rows = deberta_table_rows(cfg, tokens, axes)
         # The relative shift (text only) multiplies the 2T − 1 table rows of the distances.

@@ -9,7 +9,8 @@ decoupled weight decay 0.01, gradient clipping at norm 1, dropout 0.1. GLUE fine
 
 Schemes (``scheme`` argument): ``bert_a`` (learned absolute positions), ``bert_r`` (+ T5
 relative bias), ``tupe_a``, ``tupe_r`` (untied positions, no token types as in TUPE's
-fairseq code), ``deberta`` (v1 disentangled attention, no absolute input positions, EMD for
+fairseq code), ``bert_a_d`` (TUPE's ablation BERT-A-d: all four word/position terms with their
+own projections, [CLS] tied; TUPE's recipe otherwise), ``deberta`` (v1 disentangled attention, no absolute input positions, EMD for
 MLM, LayerNorm eps 1e-7).
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from posjax.models.config import TextConfig
 from posjax.training.loop import default_config, model_defaults
 
 SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe_r": "tupe_r",
-           "deberta": "deberta"}
+           "bert_a_d": "bert_abs_d", "deberta": "deberta"}
 # Real data next to the project (../shared/data); the tiny variants default to it.
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data"
 BERT_VOCAB = SHARED_DATA / "bert-base-uncased-vocab" / "vocab.txt"
@@ -52,7 +53,7 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
     model = dict(position_scheme=SCHEMES[scheme], vocab_size=30522, **dims,
                  max_position_embeddings=max_length, type_vocab_size=2, hidden_act="gelu",
                  layer_norm_eps=1e-12, dropout_rate=0.1, attention_dropout_rate=0.1)
-    if scheme.startswith("tupe"):
+    if scheme.startswith("tupe") or scheme == "bert_a_d":
         model.update(type_vocab_size=0, layer_norm_eps=1e-5)
     if scheme == "deberta":
         model.update(type_vocab_size=0, layer_norm_eps=1e-7, position_biased_input=False,
