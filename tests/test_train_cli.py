@@ -222,6 +222,24 @@ def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path, where
             in done.stdout
 
 
+SIGTERM_AFTER_THE_RUN = """
+import os, signal, time
+from posjax.training import loop
+print(loop.run_command(lambda: "finished"), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)   # as a scheduler ending the job during shutdown
+time.sleep(0.5)
+print("shut down normally", flush=True)
+"""
+
+
+def test_a_sigterm_after_the_run_finished_keeps_status_0():
+    """Once train.py's / eval.py's work has returned, everything is written: a SIGTERM in the
+    interpreter's shutdown would only turn status 0 into 143 (a 'preempted' job to restart)."""
+    done = _run("-c", SIGTERM_AFTER_THE_RUN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["finished", "shut down normally"]
+
+
 CTRL_C_WHILE_BUSY = """
 import time
 from posjax.data.common import signals_to_receiver_thread

@@ -29,7 +29,9 @@ import math
 import os
 import pathlib
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -143,9 +145,16 @@ def run_command(action: Callable[[], T]) -> T:
     it as soon as another process is gone, and a failure they share (a full disk) was printed
     by process 1 only. When process 0 ends first, the service aborts the others during their
     grace, after their error line (a fatal log and a stack dump follow it: not a second
-    failure)."""
+    failure).
+
+    Once ``action`` has returned, everything is written: a SIGTERM from then on (a scheduler
+    ending the finished job while the interpreter shuts down) is ignored (single process), so
+    that the status stays 0 and the run does not look preempted."""
     try:
-        return action()
+        result = action()
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return result
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
         several = jax.process_count() > 1
         if isinstance(e, KeyboardInterrupt) and not several:   # a second Ctrl-C (StopRequest)
