@@ -57,6 +57,39 @@ def test_mlm_trains_and_resumes_exactly(mlm_run, tmp_path):
     assert len(train) == 2 and train[-1] < train[0]      # a few steps already lower the loss
 
 
+def test_a_vocabulary_rewritten_in_place_is_refused_on_resume_and_eval(shared_data, tmp_path):
+    """The run records its vocabulary's digest at its start (data_identity.json): the same
+    tokenizer path holding another vocabulary (two ids swapped) would remap every embedding
+    row, so resuming or evaluating is refused before anything is compiled; a copy of the
+    vocabulary under another path is the same vocabulary."""
+    original = (shared_data / "bert-base-uncased-vocab" / "vocab.txt").read_text()
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text(original)
+    config = tiny_mlm(shared_data, "bert_a")
+    config.data.tokenizer = str(vocab)
+    workdir = tmp_path / "run"
+    assert loop.train(config, workdir, stop_after=2).preempted
+    recorded = json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text())
+    assert list(recorded) == ["data.tokenizer"] and len(recorded["data.tokenizer"]) == 64
+    lines = original.splitlines(keepends=True)
+    lines[2000], lines[2001] = lines[2001], lines[2000]
+    vocab.write_text("".join(lines))
+    refused = rf"data.tokenizer='{vocab}' holds other content than this run was trained with"
+    with pytest.raises(ValueError, match=refused):
+        loop.train(config, workdir)
+    with pytest.raises(ValueError, match=refused):
+        loop.evaluate(config, workdir)
+    copy = tmp_path / "copy" / "vocab.txt"
+    copy.parent.mkdir()
+    copy.write_text(original)
+    elsewhere = config.copy_and_resolve_references()
+    elsewhere.data.tokenizer = str(copy)
+    assert "loss" in loop.evaluate(elsewhere, workdir)
+    vocab.write_text(original)
+    assert loop.train(config, workdir).step == config.num_steps
+    assert json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text()) == recorded
+
+
 def test_deberta_emd_mlm_step(shared_data):
     """DeBERTa with the enhanced mask decoder: one jitted gradient step through the task."""
     config = tiny_mlm(shared_data, "deberta")

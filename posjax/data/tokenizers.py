@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import pathlib
 import sys
 from typing import Sequence
@@ -141,6 +142,16 @@ class TextTokenizer:
             base = self._base_size()
             return self.appended[i - base] if i >= base else self._backend.id_to_piece(i)
         return self._backend.id_to_token(i)
+
+    def vocabulary_digest(self) -> str:
+        """SHA-256 (hex) of the vocabulary, id by id, and the special-token ids: equal exactly
+        when every id stands for the same token, whatever file format holds it."""
+        digest = hashlib.sha256(repr(self.special.as_tuple()).encode())
+        for i in range(self.vocab_size):
+            token = self.id_to_token(i)   # None: an id the vocabulary leaves unassigned
+            digest.update(("\0" if token is None else token).encode("utf-8", "surrogatepass")
+                          + b"\0")
+        return digest.hexdigest()
 
     def __repr__(self) -> str:
         kind = "sentencepiece" if self.is_sentencepiece else "tokenizers"

@@ -9,7 +9,9 @@ another config is refused; before that the file is replaced),
 ``checkpoints/<step>/`` (state + input iterator), ``checkpoints/eval_<step>_<split>.json``
 (eval metrics of that checkpoint on ``data.test_split``, see ``eval_file``), ``metrics.jsonl``,
 ``tensorboard/``, ``loss_curve.png``, ``train.lock`` (who holds the workdir while a run
-trains there: a second run on the same workdir is refused, see ``workdir_lock``).
+trains there: a second run on the same workdir is refused, see ``workdir_lock``),
+``data_identity.json`` (digests of what the data files mean, e.g. the vocabulary, recorded at the
+run's start: ``check_data_identity``).
 
 Several processes: the global batch is split in row blocks, one per process, in the order the
 mesh's batch sharding gives them (``process_row_blocks``); each process's input pipeline yields
@@ -56,6 +58,7 @@ from posjax.training import workdir_lock
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
+DATA_IDENTITY_FILE = "data_identity.json"
 EXIT_GRACE_S = 3.0   # run_command: how long a failing process > 0 lets process 0 print
 EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
@@ -358,9 +361,11 @@ def saved_steps(workdir: pathlib.Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(workdir / "checkpoints"))
 
 
-def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
+                  data_identity: dict[str, str] | None = None) -> None:
     """Writable, and not holding a checkpointed run of another config (a ``config.json`` left
-    by a run that stopped before its first checkpoint is replaced: nothing depends on it)."""
+    by a run that stopped before its first checkpoint is replaced: nothing depends on it), nor
+    of other data under the same paths (``data_identity``, ``check_data_identity``)."""
     check_writable(workdir)
     check_entries(workdir, TRAIN_ENTRIES)
     if not saved_steps(workdir):
@@ -378,6 +383,40 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> N
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "
             "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
             + "\nUse a new --workdir (or delete this one to start over).")
+    check_data_identity(workdir, config, data_identity or {})
+
+
+def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict,
+                        data_identity: dict[str, str]) -> None:
+    """The task's ``data_identity()`` (``{config key: digest}``) must equal what the run
+    recorded at its start in ``DATA_IDENTITY_FILE``, key by key: a resumed or evaluated run
+    reads the same content (its vocabulary: which token each embedding row stands for), even
+    where a file was rewritten in place. Runs from before the file existed are not checked."""
+    path = workdir / DATA_IDENTITY_FILE
+    if not data_identity or not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"workdir {str(workdir)!r}: {DATA_IDENTITY_FILE} cannot be read ({e}): "
+                         "restore it from a copy, or delete it to skip this check") from None
+    values = _flat(config_dict(config))
+    for key, digest in data_identity.items():
+        if key in recorded and recorded[key] != digest:
+            raise ValueError(
+                f"{key}={values.get(key)!r} holds other content than this run was trained with "
+                f"(SHA-256 {digest[:12]}…, the run recorded {str(recorded[key])[:12]}… in "
+                f"{path}): give the file the run used, or start a new --workdir")
+
+
+def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, str]) -> None:
+    """Record ``data_identity`` at a run's start (and for a run from before the file existed);
+    a resumed run keeps what its start recorded."""
+    path = workdir / DATA_IDENTITY_FILE
+    if data_identity and (not saved_steps(workdir) or not path.exists()):
+        write_json(path, data_identity)
 
 
 def check_writable(workdir: pathlib.Path) -> None:
@@ -389,7 +428,7 @@ def check_writable(workdir: pathlib.Path) -> None:
 # into ("written") and files it replaces whole ("replaced": only the workdir must be writable).
 TRAIN_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "metrics.jsonl": "written",
                  workdir_lock.LOCK_FILE: "written", CONFIG_FILE: "replaced",
-                 "loss_curve.png": "replaced"}
+                 DATA_IDENTITY_FILE: "replaced", "loss_curve.png": "replaced"}
 EVAL_ENTRIES = {"checkpoints": "dir", "predictions": "dir"}
 
 
@@ -483,6 +522,7 @@ class Run:
     shardings: state_lib.TrainState
     evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
     eval_tag: str = ""                  # eval.py on other data than the run's (``eval_tag``)
+    data_identity: dict[str, str] = dataclasses.field(default_factory=dict)   # task's, at set-up
 
     @property
     def is_main(self) -> bool:
@@ -530,9 +570,10 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     mesh = mesh_lib.build_mesh(config.mesh)
     validate_batch(config, mesh)
     pretrained = evaluates_init_from(config, workdir, training)
+    identity = task.data_identity()
     tag = ""
     if training:
-        check_workdir(workdir, config)
+        check_workdir(workdir, config, identity)
     elif pretrained:
         check_writable(workdir)
         check_entries(workdir, EVAL_ENTRIES)
@@ -542,6 +583,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     else:
         check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
         tag = eval_tag(check_eval_config(workdir, config), config)
+        check_data_identity(workdir, config, identity)   # the vocabulary, whatever its path
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
@@ -549,7 +591,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
-               pretrained, tag)
+               pretrained, tag, identity)
 
 
 def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
@@ -837,8 +879,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             run.workdir.mkdir(parents=True, exist_ok=True)
             with workdir_lock.exclusive(run.workdir, run.is_main):   # one run per workdir
                 if run.is_main:
-                    check_workdir(run.workdir, config)   # again: another run may have ended
+                    # Again: another run may have ended.
+                    check_workdir(run.workdir, config, run.data_identity)
                     write_json(run.workdir / CONFIG_FILE, config_to_save(run.workdir, config))
+                    write_data_identity(run.workdir, run.data_identity)
                 checkpointer = ckpt_lib.Checkpointer(
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                     config.checkpoint.async_save, stop=stop)
