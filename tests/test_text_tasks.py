@@ -1,5 +1,6 @@
 """MLM and GLUE tasks through the training loop (8 fake devices), on slices of the real data."""
 import json
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -148,6 +149,17 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
             ).read_text().splitlines()
     assert rows[0] == "index\tprediction" and len(rows) == 38
     assert [int(r.split("\t")[0]) for r in rows[1:]] == list(range(37))
+
+    # Fine-tuning that run's encoder with another vocabulary (here: two ids swapped) would read
+    # its embedding rows as other tokens: refused, naming the run's own tokenizer.
+    lines = pathlib.Path(mlm.data.tokenizer).read_text().splitlines(keepends=True)
+    lines[3000], lines[3001] = lines[3001], lines[3000]
+    (tmp_path / "vocab.txt").write_text("".join(lines))
+    config.data.tokenizer = str(tmp_path / "vocab.txt")
+    with pytest.raises(ValueError, match=rf"data.tokenizer='{tmp_path}/vocab.txt' holds other "
+                       rf"content than the run init_from='{mlm_dir}' was trained with "
+                       rf"\(data.tokenizer='{mlm.data.tokenizer}' there;"):
+        loop.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
     assert {r.split("\t")[1] for r in rows[1:]} <= {"0", "1"}
 
 

@@ -393,22 +393,50 @@ def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict
     reads the same content (its vocabulary: which token each embedding row stands for), even
     where a file was rewritten in place. Runs from before the file existed are not checked."""
     path = workdir / DATA_IDENTITY_FILE
-    if not data_identity or not path.exists():
+    if (different := _identity_difference(path, data_identity)) is not None:
+        key, digest, recorded = different
+        raise ValueError(
+            f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than this run "
+            f"was trained with (SHA-256 {digest[:12]}…, the run recorded {recorded[:12]}… in "
+            f"{path}): give the file the run used, or start a new --workdir")
+
+
+def check_init_from_data(config: ml_collections.ConfigDict,
+                         data_identity: dict[str, str]) -> None:
+    """``init_from`` a train.py run that recorded its data identity (``DATA_IDENTITY_FILE``):
+    this run must read the same content (a text encoder's embedding rows stand for the tokens
+    of the vocabulary it was trained with). Converter folders record none."""
+    if not config.init_from:
         return
+    source = local_path(config.init_from, "init_from")
+    if (different := _identity_difference(source / DATA_IDENTITY_FILE,
+                                          data_identity)) is not None:
+        key = different[0]
+        theirs = _flat(read_saved_config(source) or {}).get(key)
+        raise ValueError(
+            f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than the run "
+            f"init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} there; "
+            f"SHA-256 {different[1][:12]}… here, {different[2][:12]}… there): its embedding "
+            f"rows would stand for other tokens; set --config.{key} to that run's file")
+
+
+def _identity_difference(path: pathlib.Path, data_identity: dict[str, str]
+                         ) -> tuple[str, str, str] | None:
+    """(key, digest now, digest recorded in ``path``) for the first key of ``data_identity``
+    whose recorded digest differs; None when all agree or nothing was recorded there."""
+    if not data_identity or not path.exists():
+        return None
     try:
         recorded = json.loads(path.read_text())
         if not isinstance(recorded, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        raise ValueError(f"workdir {str(workdir)!r}: {DATA_IDENTITY_FILE} cannot be read ({e}): "
-                         "restore it from a copy, or delete it to skip this check") from None
-    values = _flat(config_dict(config))
+        raise ValueError(f"{path} cannot be read ({e}): restore it from a copy, or delete it "
+                         "to skip this check") from None
     for key, digest in data_identity.items():
         if key in recorded and recorded[key] != digest:
-            raise ValueError(
-                f"{key}={values.get(key)!r} holds other content than this run was trained with "
-                f"(SHA-256 {digest[:12]}…, the run recorded {str(recorded[key])[:12]}… in "
-                f"{path}): give the file the run used, or start a new --workdir")
+            return key, digest, str(recorded[key])
+    return None
 
 
 def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, str]) -> None:
@@ -590,6 +618,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if (training and config.init_from and not saved_steps(workdir)) or pretrained:
         state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
+        check_init_from_data(config, identity)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
                pretrained, tag, identity)
 
