@@ -6,7 +6,8 @@ word/position correlations, each with its own projections, over √(4d); [CLS] s
     python train.py --config configs/mlm_bert_a_d.py:seq512 --workdir ...                   # base, seq 512
 
 Against TUPE-A with tie_cls (``configs/mlm_tupe_a.py --config.model.tie_cls=True``) it shows
-what the two mixed word-position terms add. Recipes: posjax/training/text_recipes.py.
+what the two mixed word-position terms add (with them the shared scale is 1/√(4d), not
+TUPE's 1/√(2d)). Recipes: posjax/training/text_recipes.py.
 """
 from posjax.training.text_recipes import mlm_config
 

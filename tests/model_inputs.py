@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 # Modules whose (H, h, d) kernel contracts only its first axis.
-_HEAD_SPLIT = ("query", "key", "value", "pos_key", "pos_query")
+_HEAD_SPLIT = ("query", "key", "value", "pos_key", "pos_query", "query_for_positions",
+               "key_for_positions", "query_for_words", "key_for_words")
 
 
 def abstract_variables(model: nn.Module, *args, **kwargs) -> Any:

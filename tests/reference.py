@@ -205,8 +205,11 @@ def four_term_attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray,
     """BERT-A-d: a_ij = [(x_i W_Q)(x_j W_K)ᵀ + (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ
     + (p_i U_Q)(p_j U_K)ᵀ] / √(4d), each term with its own projections; the last is
     ``terms['bias']``, already scaled. Queries are the first Lq tokens."""
-    q, k, v = linear(x_q, p["query"]), linear(x_kv, p["key"]), linear(x_kv, p["value"])
-    word_q, word_k = linear(x_q, p["query_for_positions"]), linear(x_kv, p["key_for_positions"])
+    def affine(x, p_proj):   # every projection of the four terms has a bias
+        return np.tensordot(x, p_proj["kernel"], axes=1) + p_proj["bias"]
+
+    q, k, v = affine(x_q, p["query"]), affine(x_kv, p["key"]), affine(x_kv, p["value"])
+    word_q, word_k = affine(x_q, p["query_for_positions"]), affine(x_kv, p["key_for_positions"])
     lq = x_q.shape[1]
     pos_q, pos_k = terms["position_query"][:lq], terms["position_key"]
     word_word = np.einsum("bqhd,bkhd->bhqk", q, k)
@@ -265,8 +268,10 @@ def position_terms(p_enc: Params, cfg, length: int, coords: list[np.ndarray],
         pos = layer_norm(p["position_embeddings"][1: length + 1], p["norm"], cfg.layer_norm_eps)
         return {"bias": tupe_position_logits(p, length, cfg.num_heads, cfg.layer_norm_eps,
                                              untie_cls=False, terms=4),
-                "position_query": linear(pos, p["query_for_words"]),
-                "position_key": linear(pos, p["key_for_words"])}
+                "position_query": np.tensordot(pos, p["query_for_words"]["kernel"], axes=1)
+                + p["query_for_words"]["bias"],
+                "position_key": np.tensordot(pos, p["key_for_words"]["kernel"], axes=1)
+                + p["key_for_words"]["bias"]}
     if scheme in ("bert_rel", "tupe_r"):
         cls_first = has_cls and (is_grid or (scheme == "tupe_r" and not cfg.tie_cls))
         rel = t5_bias(p_enc["relative_bias"]["rel_bias"], coords, cfg.relative_buckets,

@@ -148,6 +148,7 @@ TABLE_SCHEMES = {
     "bert_rel": dict(position_scheme="bert_rel"),
     "tupe_a": dict(position_scheme="tupe_a"),
     "tupe_r": dict(position_scheme="tupe_r"),
+    "bert_abs_d": dict(position_scheme="bert_abs_d"),
     "deberta position_biased_input": dict(position_scheme="deberta"),
 }
 

@@ -191,11 +191,13 @@ def test_deberta_v2_matches_reference(name):
 # --- classification head -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg", [text_config("tupe_r", pooler_act="tanh"),
+                                 text_config("bert_abs_d", num_layers=3, scan_layers=True),
                                  text_config("deberta_v2", position_buckets=8,
                                              max_relative_positions=32, pooler_act="gelu"),
                                  text_config("deberta_v2", position_buckets=8,
                                              max_relative_positions=32, scan_layers=True)],
-                         ids=["tupe_r", "deberta_v2", "deberta_v2 scan_layers"])
+                         ids=["tupe_r", "bert_abs_d scan_layers", "deberta_v2",
+                              "deberta_v2 scan_layers"])
 def test_classification_head_matches_reference(cfg):
     params = _params(TextForSequenceClassification, cfg, SHORT[0])
     batch = padded_text_batch(SHORT, SHORT[0], VOCAB)

@@ -49,6 +49,7 @@ VIT_CASES = {
     "tupe_r token": vit_config("tupe_r"),
     "tupe_r token tie_cls": vit_config("tupe_r", tie_cls=True),
     "bert_abs_d token": vit_config("bert_abs_d"),
+    "bert_abs_d gap": vit_config("bert_abs_d", pooling="gap"),
     "deberta gap k=2 take": vit_config("deberta", pooling="gap", max_relative_positions=2),
     "deberta gap k=2 onehot": vit_config("deberta", pooling="gap", max_relative_positions=2,
                                          gather="onehot"),
