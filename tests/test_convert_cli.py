@@ -177,3 +177,42 @@ def test_encoder_from_posjax_checkpoints(hf_mlm, tmp_path, capsys):
     assert vit.config.num_classes == 0 and "head" not in vit.params
     images = np.zeros((1, 16, 16, 3), np.float32)
     assert vit.module().apply({"params": vit.params}, images).shape == (1, 16)
+
+
+def test_the_vocabulary_of_an_imported_folder_guards_init_from(tmp_path):
+    """A Hugging Face folder's tokenizer files (here vocab.txt and the same vocabulary as
+    tokenizer.json) give the converted folder its data_identity.json; an init_from run that
+    reads another vocabulary (two ids swapped) is refused, naming where the weights came from."""
+    import ml_collections
+
+    from posjax.data import identity
+    from posjax.data.tokenizers import load_tokenizer, wordpiece_tokenizer
+    from posjax.training import loop
+
+    torch.manual_seed(0)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(35)]
+    folder = tmp_path / "hf"
+    transformers.DebertaV2Model(transformers.DebertaV2Config(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, relative_attention=True, pos_att_type="p2c|c2p",
+        max_relative_positions=16)).save_pretrained(folder)
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    wordpiece_tokenizer(str(folder / "vocab.txt"), True).save(str(folder / "tokenizer.json"))
+    assert main(["--from", str(folder), "--to", str(tmp_path / "ckpt")]) == 0
+    digest = load_tokenizer(folder / "vocab.txt").vocabulary_digest()
+    assert load_tokenizer(folder / "tokenizer.json").vocabulary_digest() == digest
+    assert identity.read(tmp_path / "ckpt") == {"data.tokenizer": [digest]}
+
+    swapped = words[:10] + [words[11], words[10]] + words[12:]
+    (tmp_path / "other.txt").write_text("\n".join(swapped) + "\n")
+    for vocab, refused in ((folder / "vocab.txt", False), (tmp_path / "other.txt", True)):
+        config = ml_collections.ConfigDict({"init_from": str(tmp_path / "ckpt"),
+                                            "data": {"tokenizer": str(vocab)}})
+        run_identity = {"data.tokenizer": load_tokenizer(vocab).vocabulary_digest()}
+        if not refused:
+            loop.check_init_from_data(config, run_identity)
+            continue
+        with pytest.raises(ValueError, match=rf"data.tokenizer='{vocab}' holds other content "
+                           r"than the weights init_from='.*/ckpt' came with \(the tokenizer "
+                           r"files of the folder they were converted from; SHA-256"):
+            loop.check_init_from_data(config, run_identity)

@@ -149,6 +149,7 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
             ).read_text().splitlines()
     assert rows[0] == "index\tprediction" and len(rows) == 38
     assert [int(r.split("\t")[0]) for r in rows[1:]] == list(range(37))
+    assert {r.split("\t")[1] for r in rows[1:]} <= {"0", "1"}
 
     # Fine-tuning that run's encoder with another vocabulary (here: two ids swapped) would read
     # its embedding rows as other tokens: refused, naming the run's own tokenizer.
@@ -160,7 +161,6 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
                        rf"content than the run init_from='{mlm_dir}' was trained with "
                        rf"\(data.tokenizer='{mlm.data.tokenizer}' there;"):
         loop.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
-    assert {r.split("\t")[1] for r in rows[1:]} <= {"0", "1"}
 
 
 def test_glue_from_converted_encoder(tmp_path):

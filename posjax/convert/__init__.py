@@ -37,10 +37,11 @@ from posjax.convert.mapping import check_tree
 from posjax.convert.pretrained import (Pretrained, build_module, expected_params,
                                        resize_vit)
 from posjax.convert.tensors import read_folder_weights, read_npz, write_safetensors
+from posjax.data import identity
 from posjax.data.common import local_path
 
 __all__ = ["Pretrained", "build_module", "expected_params", "export_hf", "load_checkpoint",
-           "load_pretrained", "resize_vit", "save_checkpoint"]
+           "load_pretrained", "resize_vit", "save_checkpoint", "source_data_identity"]
 
 HF_MODEL_TYPES = tuple(hf_deberta.MODEL_TYPES) + ("vit",)
 TASKS = (None, "mlm", "classification", "encoder")
@@ -96,6 +97,19 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
     if image_size is not None:
         pre = resize_vit(pre, image_size, resample or default_method)
     return pre
+
+
+def source_data_identity(path: str | pathlib.Path) -> dict[str, list[str]]:
+    """What the weights at ``path`` were trained on, for the converter's output folder
+    (``posjax.data.identity``): a posjax checkpoint folder's or train.py workdir's recorded
+    identity, the vocabularies of a Hugging Face folder's tokenizer files; {} for .npz files
+    and folders without either."""
+    folder = local_path(_npz_submodel(path)[0], "path")
+    if not folder.is_dir():
+        return {}
+    if (folder / MODEL_CONFIG).is_file() or is_train_workdir(folder):
+        return identity.read(folder)
+    return identity.folder_vocabularies(folder)
 
 
 def _load_hf(folder: pathlib.Path, task: str | None) -> Pretrained:

@@ -4,8 +4,10 @@
     python -m posjax.convert --from POSJAX_DIR_or_TRAIN_WORKDIR --to HF_OUT --format hf
                                          # schemes deberta, deberta_v2 and vit only
 
-OUT_DIR gets ``params/`` (orbax StandardCheckpointer of {'params': params}) and
-``model_config.json``; ``config.init_from`` of the training configs starts from it. Nothing is
+OUT_DIR gets ``params/`` (orbax StandardCheckpointer of {'params': params}),
+``model_config.json`` and, when the source names one, ``data_identity.json`` (its vocabulary:
+an init_from run reading another is refused); ``config.init_from`` of the training configs
+starts from it. Nothing is
 left at the destination when anything fails; an existing destination is never touched.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import jax
 import numpy as np
 
-from posjax.convert import export_hf, load_pretrained, save_checkpoint
+from posjax.convert import export_hf, load_pretrained, save_checkpoint, source_data_identity
 from posjax.convert.destination import new_destination
 from posjax.data.common import local_path
 
@@ -58,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         new_destination(args.dest, "--to")     # before a read that may take minutes
         pre = load_pretrained(args.source, task=args.task, image_size=size,
                               resample=args.resample, pooling=args.pooling)
-        write = export_hf if args.format == "hf" else save_checkpoint
-        dest = write(pre, args.dest)
+        if args.format == "hf":
+            dest = export_hf(pre, args.dest)
+        else:
+            dest = save_checkpoint(pre, args.dest, source_data_identity(args.source))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

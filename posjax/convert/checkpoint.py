@@ -5,6 +5,8 @@ Layout of OUT_DIR:
   params/             orbax ``StandardCheckpointer`` checkpoint of ``{'params': params}``
   model_config.json   ``{"kind": "text"|"vit", "task": "mlm"|"classification"|"encoder",
                         "config": {TextConfig/ViTConfig fields}}``
+  data_identity.json  (when known) the digests of the vocabularies the weights were trained
+                      with (``posjax.data.identity``): init_from then refuses another one
 
 A train.py workdir holds ``config.json`` (the run config: ``task``, ``model``) and
 ``checkpoints/<step>/state`` (orbax StandardCheckpointer of the train state, ``params`` inside).
@@ -22,6 +24,7 @@ import orbax.checkpoint as ocp
 from posjax.convert.destination import write_directory
 from posjax.convert.mapping import check_tree, flatten
 from posjax.convert.pretrained import KINDS, TASKS, Pretrained, expected_params
+from posjax.data import identity
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.training.checkpoint import read_item
 
@@ -29,8 +32,10 @@ MODEL_CONFIG = "model_config.json"
 PARAMS = "params"
 
 
-def save_checkpoint(pre: Pretrained, out_dir: str | pathlib.Path) -> pathlib.Path:
-    """Write ``pre`` as OUT_DIR (see module doc); all-or-nothing, never overwrites."""
+def save_checkpoint(pre: Pretrained, out_dir: str | pathlib.Path,
+                    data_identity: dict[str, list[str]] | None = None) -> pathlib.Path:
+    """Write ``pre`` as OUT_DIR (see module doc), with ``data_identity`` when given (e.g.
+    ``source_data_identity`` of where ``pre`` came from); all-or-nothing, never overwrites."""
     check_tree(pre.params, expected_params(pre.kind, pre.task, pre.config, pre.num_labels),
                "save_checkpoint")
     meta = {"kind": pre.kind, "task": pre.task, "config": dataclasses.asdict(pre.config)}
@@ -41,6 +46,8 @@ def save_checkpoint(pre: Pretrained, out_dir: str | pathlib.Path) -> pathlib.Pat
         checkpointer.wait_until_finished()
         checkpointer.close()
         (staging / MODEL_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+        if data_identity:
+            identity.write(staging, data_identity)
 
     return write_directory(out_dir, fill)
 

@@ -46,6 +46,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from posjax.data import identity as identity_lib
 from posjax.data.common import (cannot_write_in, check_creatable, local_path,
                                 signals_to_receiver_thread, write_text_atomically)
 from posjax.training import checkpoint as ckpt_lib
@@ -58,7 +59,7 @@ from posjax.training import workdir_lock
 from posjax.training.tasks import Task, make_task
 
 CONFIG_FILE = "config.json"
-DATA_IDENTITY_FILE = "data_identity.json"
+DATA_IDENTITY_FILE = identity_lib.FILE
 EXIT_GRACE_S = 3.0   # run_command: how long a failing process > 0 lets process 0 print
 EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
@@ -392,59 +393,46 @@ def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict
     recorded at its start in ``DATA_IDENTITY_FILE``, key by key: a resumed or evaluated run
     reads the same content (its vocabulary: which token each embedding row stands for), even
     where a file was rewritten in place. Runs from before the file existed are not checked."""
-    path = workdir / DATA_IDENTITY_FILE
-    if (different := _identity_difference(path, data_identity)) is not None:
+    if not data_identity:
+        return
+    if (different := identity_lib.difference(identity_lib.read(workdir), data_identity)):
         key, digest, recorded = different
         raise ValueError(
             f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than this run "
             f"was trained with (SHA-256 {digest[:12]}…, the run recorded {recorded[:12]}… in "
-            f"{path}): give the file the run used, or start a new --workdir")
+            f"{workdir / DATA_IDENTITY_FILE}): give the file the run used, or start a new "
+            "--workdir")
 
 
 def check_init_from_data(config: ml_collections.ConfigDict,
                          data_identity: dict[str, str]) -> None:
-    """``init_from`` a train.py run that recorded its data identity (``DATA_IDENTITY_FILE``):
-    this run must read the same content (a text encoder's embedding rows stand for the tokens
-    of the vocabulary it was trained with). Converter folders record none."""
-    if not config.init_from:
+    """``init_from`` weights that recorded their data identity (``DATA_IDENTITY_FILE`` of a
+    train.py run, or of a converter folder from the tokenizer files the imported weights came
+    with): this run must read the same content (a text encoder's embedding rows stand for the
+    tokens of the vocabulary it was trained with)."""
+    if not config.init_from or not data_identity:
         return
     source = local_path(config.init_from, "init_from")
-    if (different := _identity_difference(source / DATA_IDENTITY_FILE,
-                                          data_identity)) is not None:
-        key = different[0]
-        theirs = _flat(read_saved_config(source) or {}).get(key)
-        raise ValueError(
-            f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than the run "
-            f"init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} there; "
-            f"SHA-256 {different[1][:12]}… here, {different[2][:12]}… there): its embedding "
-            f"rows would stand for other tokens; set --config.{key} to that run's file")
-
-
-def _identity_difference(path: pathlib.Path, data_identity: dict[str, str]
-                         ) -> tuple[str, str, str] | None:
-    """(key, digest now, digest recorded in ``path``) for the first key of ``data_identity``
-    whose recorded digest differs; None when all agree or nothing was recorded there."""
-    if not data_identity or not path.exists():
-        return None
-    try:
-        recorded = json.loads(path.read_text())
-        if not isinstance(recorded, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read ({e}): restore it from a copy, or delete it "
-                         "to skip this check") from None
-    for key, digest in data_identity.items():
-        if key in recorded and recorded[key] != digest:
-            return key, digest, str(recorded[key])
-    return None
+    different = identity_lib.difference(identity_lib.read(source), data_identity)
+    if different is None:
+        return
+    key, digest, recorded = different
+    theirs = _flat(read_saved_config(source) or {}).get(key)   # a converter folder: None
+    origin = (f"the run init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} "
+              "there" if theirs is not None else
+              f"the weights init_from={str(config.init_from)!r} came with (the tokenizer files "
+              "of the folder they were converted from")
+    raise ValueError(
+        f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than {origin}; "
+        f"SHA-256 {digest[:12]}… here, {recorded[:12]}… there): its embedding rows would "
+        f"stand for other tokens; set --config.{key} to that vocabulary")
 
 
 def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, str]) -> None:
     """Record ``data_identity`` at a run's start (and for a run from before the file existed);
     a resumed run keeps what its start recorded."""
-    path = workdir / DATA_IDENTITY_FILE
-    if data_identity and (not saved_steps(workdir) or not path.exists()):
-        write_json(path, data_identity)
+    if data_identity and (not saved_steps(workdir) or not (workdir / DATA_IDENTITY_FILE).exists()):
+        identity_lib.write(workdir, data_identity)
 
 
 def check_writable(workdir: pathlib.Path) -> None:
