@@ -137,6 +137,11 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
     jax.distributed.initialize(**kwargs)
 
 
+def _exit_finished(signum: int, frame: Any) -> None:
+    """SIGTERM after a command's work is done and written: end now, with status 0."""
+    raise SystemExit(0)
+
+
 def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input), ``Diverged`` or
     ``checkpoint.SaveFailed`` ends the program with 'error: …' and status 1, an abort by
@@ -152,12 +157,12 @@ def run_command(action: Callable[[], T]) -> T:
     failure).
 
     Once ``action`` has returned, everything is written: a SIGTERM from then on (a scheduler
-    ending the finished job while the interpreter shuts down) is ignored (single process), so
-    that the status stays 0 and the run does not look preempted."""
+    ending the finished job while the interpreter shuts down) ends the process with status 0
+    (single process), so that the run does not look preempted."""
     try:
         result = action()
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, _exit_finished)
         return result
     except BaseException as e:   # noqa: B036 (SystemExit and KeyboardInterrupt included)
         several = jax.process_count() > 1
