@@ -1,6 +1,8 @@
 """MLM and GLUE tasks through the training loop (8 fake devices), on slices of the real data."""
 import json
+import logging
 import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -71,11 +73,15 @@ def test_a_vocabulary_rewritten_in_place_is_refused_on_resume_and_eval(shared_da
     workdir = tmp_path / "run"
     assert loop.train(config, workdir, stop_after=2).preempted
     recorded = json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text())
-    assert list(recorded) == ["data.tokenizer"] and len(recorded["data.tokenizer"]) == 64
+    vocabulary = recorded["data.tokenizer"]
+    assert list(recorded) == ["data.tokenizer"] and len(vocabulary["sha256"]) == 64
+    assert vocabulary["size"] == 30522 and len(vocabulary["blocks"]) == 30   # 1024 ids each
     lines = original.splitlines(keepends=True)
     lines[2000], lines[2001] = lines[2001], lines[2000]
     vocab.write_text("".join(lines))
-    refused = rf"data.tokenizer='{vocab}' holds other content than this run was trained with"
+    refused = (re.escape(f"data.tokenizer='{vocab}' holds other content than this run was "
+                         "trained with (ids 1024–2047 differ from what the run recorded in ")
+               + re.escape(str(workdir / loop.DATA_IDENTITY_FILE)) + r"\): give the file")
     with pytest.raises(ValueError, match=refused):
         loop.train(config, workdir)
     with pytest.raises(ValueError, match=refused):
@@ -89,6 +95,19 @@ def test_a_vocabulary_rewritten_in_place_is_refused_on_resume_and_eval(shared_da
     vocab.write_text(original)
     assert loop.train(config, workdir).step == config.num_steps
     assert json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text()) == recorded
+    # A run from before the file existed is not checked, and evaluating never writes it.
+    (workdir / loop.DATA_IDENTITY_FILE).unlink()
+    vocab.write_text("".join(lines))
+    assert "loss" in loop.evaluate(config, workdir)
+    assert not (workdir / loop.DATA_IDENTITY_FILE).exists()
+    # A fresh start replaces what a run that never checkpointed left behind.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / loop.DATA_IDENTITY_FILE).write_text(json.dumps(recorded))
+    run = loop.prepare(config, fresh, training=True)
+    loop.write_data_identity(fresh, run.data_identity)
+    assert json.loads((fresh / loop.DATA_IDENTITY_FILE).read_text()) == run.data_identity
+    assert run.data_identity["data.tokenizer"]["sha256"] != vocabulary["sha256"]
 
 
 def test_deberta_emd_mlm_step(shared_data):
@@ -113,7 +132,7 @@ def test_deberta_emd_mlm_step(shared_data):
     assert float(np.abs(grads["mlm_head"]["bias"]).sum()) > 0
 
 
-def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
+def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
     """GLUE starts from the MLM run's encoder (init_from a train.py workdir), trains on an SST-2
     slice and reports accuracy; evaluation on the test split writes the submission file."""
     mlm, mlm_dir, _ = mlm_run
@@ -151,15 +170,26 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path):
     assert [int(r.split("\t")[0]) for r in rows[1:]] == list(range(37))
     assert {r.split("\t")[1] for r in rows[1:]} <= {"0", "1"}
 
-    # Fine-tuning that run's encoder with another vocabulary (here: two ids swapped) would read
-    # its embedding rows as other tokens: refused, naming the run's own tokenizer.
+    # Fine-tuning that run's encoder with another vocabulary would read its embedding rows as
+    # other tokens: refused, naming the run's own tokenizer. An edited vocabulary (two ids
+    # swapped, as when BERT's [unused] rows get new words) is named in a warning.
     lines = pathlib.Path(mlm.data.tokenizer).read_text().splitlines(keepends=True)
-    lines[3000], lines[3001] = lines[3001], lines[3000]
-    (tmp_path / "vocab.txt").write_text("".join(lines))
-    config.data.tokenizer = str(tmp_path / "vocab.txt")
-    with pytest.raises(ValueError, match=rf"data.tokenizer='{tmp_path}/vocab.txt' holds other "
-                       rf"content than the run init_from='{mlm_dir}' was trained with "
-                       rf"\(data.tokenizer='{mlm.data.tokenizer}' there;"):
+    edited = lines[:3000] + [lines[3001], lines[3000]] + lines[3002:]
+    (tmp_path / "edited.txt").write_text("".join(edited))
+    config.data.tokenizer = str(tmp_path / "edited.txt")
+    with caplog.at_level(logging.WARNING):
+        loop.prepare(config, tmp_path / "glue_edited_vocabulary", training=True)
+    assert (f"data.tokenizer='{tmp_path / 'edited.txt'}' differs from the run "
+            f"init_from='{mlm_dir}' was trained with (data.tokenizer='{mlm.data.tokenizer}' "
+            "there) in ids 2048–3071: those embedding rows start from another token's"
+            ) in caplog.text
+    other = lines[:5] + lines[5:][::-1]   # the same tokens, but almost every id another one
+    (tmp_path / "other.txt").write_text("".join(other))
+    config.data.tokenizer = str(tmp_path / "other.txt")
+    with pytest.raises(ValueError, match=re.escape(
+            f"data.tokenizer='{tmp_path / 'other.txt'}' is another vocabulary than the run "
+            f"init_from='{mlm_dir}' was trained with (data.tokenizer='{mlm.data.tokenizer}' "
+            "there; 100% of the ids stand for other tokens)")):
         loop.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
 
 

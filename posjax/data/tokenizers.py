@@ -37,7 +37,7 @@ import dataclasses
 import hashlib
 import pathlib
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -143,15 +143,23 @@ class TextTokenizer:
             return self.appended[i - base] if i >= base else self._backend.id_to_piece(i)
         return self._backend.id_to_token(i)
 
-    def vocabulary_digest(self) -> str:
-        """SHA-256 (hex) of the vocabulary, id by id, and the special-token ids: equal exactly
-        when every id stands for the same token, whatever file format holds it."""
-        digest = hashlib.sha256(repr(self.special.as_tuple()).encode())
-        for i in range(self.vocab_size):
-            token = self.id_to_token(i)   # None: an id the vocabulary leaves unassigned
-            digest.update(("\0" if token is None else token).encode("utf-8", "surrogatepass")
-                          + b"\0")
-        return digest.hexdigest()
+    def vocabulary_identity(self, block: int = 1024) -> dict[str, Any]:
+        """What the ids stand for, whatever file format holds the vocabulary: ``sha256`` (hex)
+        of every token id by id and the special-token ids, equal exactly when every id is the
+        same token; ``size``; and ``blocks``, a short digest of each run of ``block`` ids, to
+        tell an edited vocabulary (a few blocks differ) from another one (most do)."""
+        whole = hashlib.sha256(repr(self.special.as_tuple()).encode())
+        blocks = []
+        for start in range(0, self.vocab_size, block):
+            part = hashlib.sha256()
+            for i in range(start, min(start + block, self.vocab_size)):
+                token = self.id_to_token(i)   # None: an id the vocabulary leaves unassigned
+                data = ("\0" if token is None else token).encode("utf-8", "surrogatepass") + b"\0"
+                whole.update(data)
+                part.update(data)
+            blocks.append(part.hexdigest()[:16])
+        return {"sha256": whole.hexdigest(), "size": self.vocab_size, "block": block,
+                "blocks": blocks}
 
     def __repr__(self) -> str:
         kind = "sentencepiece" if self.is_sentencepiece else "tokenizers"

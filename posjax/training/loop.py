@@ -368,7 +368,7 @@ def saved_steps(workdir: pathlib.Path) -> list[int]:
 
 
 def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
-                  data_identity: dict[str, str] | None = None) -> None:
+                  data_identity: dict[str, Any] | None = None) -> None:
     """Writable, and not holding a checkpointed run of another config (a ``config.json`` left
     by a run that stopped before its first checkpoint is replaced: nothing depends on it), nor
     of other data under the same paths (``data_identity``, ``check_data_identity``)."""
@@ -393,47 +393,65 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
 
 
 def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict,
-                        data_identity: dict[str, str]) -> None:
-    """The task's ``data_identity()`` (``{config key: digest}``) must equal what the run
-    recorded at its start in ``DATA_IDENTITY_FILE``, key by key: a resumed or evaluated run
-    reads the same content (its vocabulary: which token each embedding row stands for), even
-    where a file was rewritten in place. Runs from before the file existed are not checked."""
+                        data_identity: dict[str, Any], training: bool = True) -> None:
+    """The task's ``data_identity()`` must equal what the run recorded at its start in
+    ``DATA_IDENTITY_FILE``, key by key: a resumed or evaluated run reads the same content (its
+    vocabulary: which token each embedding row stands for), even where a file was rewritten in
+    place. Runs from before the file existed are not checked."""
     if not data_identity:
         return
     if (different := identity_lib.difference(identity_lib.read(workdir), data_identity)):
-        key, digest, recorded = different
+        key, entry, recorded = different
+        ranges = _id_ranges(identity_lib.changed_blocks(recorded, entry))
         raise ValueError(
             f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than this run "
-            f"was trained with (SHA-256 {digest[:12]}…, the run recorded {recorded[:12]}… in "
-            f"{workdir / DATA_IDENTITY_FILE}): give the file the run used, or start a new "
-            "--workdir")
+            f"was trained with (ids {ranges} differ from what the run recorded in "
+            f"{workdir / DATA_IDENTITY_FILE}): give the file the run used"
+            + (", or start a new --workdir" if training else ""))
+
+
+# init_from weights with another vocabulary: up to this share of ids changed (in blocks) it is
+# an edited one (e.g. BERT's [unused] rows given new words: a warning), beyond it another one.
+EDITED_VOCABULARY_SHARE = 0.5
 
 
 def check_init_from_data(config: ml_collections.ConfigDict,
-                         data_identity: dict[str, str]) -> None:
+                         data_identity: dict[str, Any]) -> None:
     """``init_from`` weights that recorded their data identity (``DATA_IDENTITY_FILE`` of a
     train.py run, or of a converter folder from the tokenizer files the imported weights came
-    with): this run must read the same content (a text encoder's embedding rows stand for the
-    tokens of the vocabulary it was trained with)."""
+    with): a text encoder's embedding rows stand for the tokens of the vocabulary it was
+    trained with. Another vocabulary (more than ``EDITED_VOCABULARY_SHARE`` of the ids
+    changed) is refused; an edited one is named in a warning."""
     if not config.init_from or not data_identity:
         return
     source = local_path(config.init_from, "init_from")
     different = identity_lib.difference(identity_lib.read(source), data_identity)
     if different is None:
         return
-    key, digest, recorded = different
+    key, entry, recorded = different
     theirs = _flat(read_saved_config(source) or {}).get(key)   # a converter folder: None
     origin = (f"the run init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} "
               "there" if theirs is not None else
               f"the weights init_from={str(config.init_from)!r} came with (the tokenizer files "
               "of the folder they were converted from")
-    raise ValueError(
-        f"{key}={_flat(config_dict(config)).get(key)!r} holds other content than {origin}; "
-        f"SHA-256 {digest[:12]}… here, {recorded[:12]}… there): its embedding rows would "
-        f"stand for other tokens; set --config.{key} to that vocabulary")
+    here = f"{key}={_flat(config_dict(config)).get(key)!r}"
+    share = identity_lib.changed_share(recorded, entry)
+    if share > EDITED_VOCABULARY_SHARE:
+        raise ValueError(
+            f"{here} is another vocabulary than {origin}; {share:.0%} of the ids stand for other "
+            "tokens): the embedding rows would be read as other tokens; give that vocabulary")
+    logging.warning("%s differs from %s) in ids %s: those embedding rows start from "
+                    "another token's", here, origin,
+                    _id_ranges(identity_lib.changed_blocks(recorded, entry)))
 
 
-def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, str]) -> None:
+def _id_ranges(ranges: list[tuple[int, int]], shown: int = 5) -> str:
+    """'0–1023, 4096–5119' (end inclusive), the first ``shown`` ranges, then '…'."""
+    text = ", ".join(f"{start}–{end - 1}" for start, end in ranges[:shown])
+    return text + (", …" if len(ranges) > shown else "")
+
+
+def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, Any]) -> None:
     """Record ``data_identity`` at a run's start (and for a run from before the file existed);
     a resumed run keeps what its start recorded."""
     if data_identity and (not saved_steps(workdir) or not (workdir / DATA_IDENTITY_FILE).exists()):
@@ -543,7 +561,7 @@ class Run:
     shardings: state_lib.TrainState
     evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
     eval_tag: str = ""                  # eval.py on other data than the run's (``eval_tag``)
-    data_identity: dict[str, str] = dataclasses.field(default_factory=dict)   # task's, at set-up
+    data_identity: dict[str, Any] = dataclasses.field(default_factory=dict)   # task's, at set-up
 
     @property
     def is_main(self) -> bool:
@@ -604,7 +622,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     else:
         check_entries(workdir, EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
         tag = eval_tag(check_eval_config(workdir, config), config)
-        check_data_identity(workdir, config, identity)   # the vocabulary, whatever its path
+        check_data_identity(workdir, config, identity, training=False)   # whatever its path
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)

@@ -29,9 +29,9 @@ with ``@register_task``, and implement:
 ``write_predictions(outputs, directory)`` (optional)
     Write the gathered ``eval_outputs`` of an evaluation as files in ``directory`` (eval.py
     passes ``<workdir>/predictions/step_<N>``); returns their paths. Default: nothing.
-``data_identity() -> dict[str, str]`` (optional)
-    ``{config key: digest}`` of what gives the data its meaning beyond that key's value, a path
-    (a text task's vocabulary: which token each id is). A run records it at its start; resuming
+``data_identity() -> dict[str, dict]`` (optional)
+    ``{config key: identity}`` of what gives the data its meaning beyond that key's value, a
+    path (a text task's vocabulary: which token each id is, ``posjax.data.identity``). A run records it at its start; resuming
     or evaluating the run with other content under the same path is refused. Default: {}.
 ``patch_grid`` (optional property)
     The model's patch grid (rows, cols) when it runs on images, else None (the default).
@@ -110,7 +110,7 @@ class Task(abc.ABC):
                           directory: pathlib.Path) -> list[pathlib.Path]:
         return []
 
-    def data_identity(self) -> dict[str, str]:
+    def data_identity(self) -> dict[str, Any]:
         return {}
 
     @property

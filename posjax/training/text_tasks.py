@@ -94,10 +94,10 @@ class _TextTask(Task):
         data = self.config.data
         return load_tokenizer(data.tokenizer, lowercase=bool(data.lowercase))
 
-    def data_identity(self) -> dict[str, str]:
+    def data_identity(self) -> dict[str, Any]:
         """The vocabulary the embedding rows stand for: a tokenizer file rewritten in place
         (another vocabulary under the same path) would silently remap every id."""
-        return {"data.tokenizer": self.tokenizer.vocabulary_digest()}
+        return {"data.tokenizer": self.tokenizer.vocabulary_identity()}
 
     def check_model(self) -> TextConfig:
         """Tokenizer ids and data.max_seq_length must fit the model's tables; no setting the
