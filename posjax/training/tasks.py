@@ -31,8 +31,9 @@ with ``@register_task``, and implement:
     passes ``<workdir>/predictions/step_<N>``); returns their paths. Default: nothing.
 ``data_identity() -> dict[str, dict]`` (optional)
     ``{config key: identity}`` of what gives the data its meaning beyond that key's value, a
-    path (a text task's vocabulary: which token each id is, ``posjax.data.identity``). A run records it at its start; resuming
-    or evaluating the run with other content under the same path is refused. Default: {}.
+    path (a text task's vocabulary: which token each id is, ``posjax.data.identity``). A run
+    records it at its start; resuming or evaluating the run with other content under the same
+    path is refused. Default: {}.
 ``patch_grid`` (optional property)
     The model's patch grid (rows, cols) when it runs on images, else None (the default).
     ``init_from`` resamples pretrained position tables of another grid to it.

@@ -10,8 +10,8 @@ decoupled weight decay 0.01, gradient clipping at norm 1, dropout 0.1. GLUE fine
 Schemes (``scheme`` argument): ``bert_a`` (learned absolute positions), ``bert_r`` (+ T5
 relative bias), ``tupe_a``, ``tupe_r`` (untied positions, no token types as in TUPE's
 fairseq code), ``bert_a_d`` (TUPE's ablation BERT-A-d: all four word/position terms with their
-own projections, [CLS] tied; TUPE's recipe otherwise), ``deberta`` (v1 disentangled attention, no absolute input positions, EMD for
-MLM, LayerNorm eps 1e-7).
+own projections, [CLS] tied; TUPE's recipe otherwise), ``deberta`` (v1 disentangled attention,
+no absolute input positions, EMD for MLM, LayerNorm eps 1e-7).
 """
 from __future__ import annotations
 
