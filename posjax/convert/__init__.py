@@ -99,7 +99,7 @@ def load_pretrained(path: str | pathlib.Path, *, task: str | None = None,
     return pre
 
 
-def source_data_identity(path: str | pathlib.Path) -> dict[str, list[str]]:
+def source_data_identity(path: str | pathlib.Path) -> dict[str, list[identity.Entry]]:
     """What the weights at ``path`` were trained on, for the converter's output folder
     (``posjax.data.identity``): a posjax checkpoint folder's or train.py workdir's recorded
     identity, the vocabularies of a Hugging Face folder's tokenizer files; {} for .npz files

@@ -7,8 +7,8 @@
 OUT_DIR gets ``params/`` (orbax StandardCheckpointer of {'params': params}),
 ``model_config.json`` and, when the source names one, ``data_identity.json`` (its vocabulary:
 an init_from run reading another is refused); ``config.init_from`` of the training configs
-starts from it. Nothing is
-left at the destination when anything fails; an existing destination is never touched.
+starts from it. Nothing is left at the destination when anything fails; an existing
+destination is never touched.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ Layout of OUT_DIR:
   params/             orbax ``StandardCheckpointer`` checkpoint of ``{'params': params}``
   model_config.json   ``{"kind": "text"|"vit", "task": "mlm"|"classification"|"encoder",
                         "config": {TextConfig/ViTConfig fields}}``
-  data_identity.json  (when known) the digests of the vocabularies the weights were trained
-                      with (``posjax.data.identity``): init_from then refuses another one
+  data_identity.json  (when known) the vocabularies the weights were trained with
+                      (``posjax.data.identity``): init_from then refuses another one
 
 A train.py workdir holds ``config.json`` (the run config: ``task``, ``model``) and
 ``checkpoints/<step>/state`` (orbax StandardCheckpointer of the train state, ``params`` inside).
@@ -33,7 +33,7 @@ PARAMS = "params"
 
 
 def save_checkpoint(pre: Pretrained, out_dir: str | pathlib.Path,
-                    data_identity: dict[str, list[str]] | None = None) -> pathlib.Path:
+                    data_identity: dict[str, list[identity.Entry]] | None = None) -> pathlib.Path:
     """Write ``pre`` as OUT_DIR (see module doc), with ``data_identity`` when given (e.g.
     ``source_data_identity`` of where ``pre`` came from); all-or-nothing, never overwrites."""
     check_tree(pre.params, expected_params(pre.kind, pre.task, pre.config, pre.num_labels),
