@@ -343,11 +343,9 @@ def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str
     lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
     the checkpoint's metadata cannot be read (a damaged checkpoint)."""
     try:
-        meta = read_item(state_dir, ocp.PyTreeCheckpointHandler(),
-                         lambda handler: handler.metadata(state_dir))
+        saved = read_metadata_tree(state_dir).get("params")
     except ValueError:   # unreadable metadata: the restore's error says why
         return []
-    saved = dict(getattr(meta, "tree", meta)).get("params")
     if not isinstance(saved, dict):
         return []
 
@@ -452,6 +450,14 @@ def failures_reported_once(path: pathlib.Path) -> Iterator[None]:
 
 
 T = TypeVar("T")
+
+
+def read_metadata_tree(directory: pathlib.Path) -> dict[str, Any]:
+    """The saved tree of one Orbax item folder (``read_item``) as metadata: shapes and dtypes,
+    no arrays read."""
+    meta = read_item(directory, ocp.PyTreeCheckpointHandler(),
+                     lambda handler: handler.metadata(directory))
+    return dict(getattr(meta, "tree", meta))
 
 
 def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -> T:

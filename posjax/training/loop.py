@@ -293,10 +293,14 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any],
     """'key: saved -> current' for every key that differs, ignoring the keys in ``free`` (and
     everything under them)."""
     a, b = _flat(saved), _flat(current)
-    def is_free(k):
-        return any(k == o or k.startswith(o + ".") for o in free)
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if not is_free(k) and a.get(k) != b.get(k)]
+            for k in sorted(set(a) | set(b)) if not _under(k, free) and a.get(k) != b.get(k)]
+
+
+def _under(key: str, sections: tuple[str, ...]) -> bool:
+    """Whether the flat ``key`` is one of ``sections`` or lies under one (``data.text_files``
+    holds ``data.text_files.valid``)."""
+    return any(key == s or key.startswith(s + ".") for s in sections)
 
 
 def with_model_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -727,8 +731,7 @@ def eval_file(workdir: pathlib.Path, step: int, split: str, tag: str = "") -> pa
 
 def data_source(config: dict[str, Any]) -> dict[str, Any]:
     """The ``DATA_SOURCE_KEYS`` values of a config dict, flattened (``data.text_files.valid``)."""
-    return {k: v for k, v in _flat(config).items()
-            if any(k == s or k.startswith(s + ".") for s in DATA_SOURCE_KEYS)}
+    return {k: v for k, v in _flat(config).items() if _under(k, DATA_SOURCE_KEYS)}
 
 
 def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) -> str:

@@ -119,14 +119,10 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
 def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str, Any]:
     """The metadata tree (shapes, dtypes) of the checkpoint at ``params_dir``; it must hold a
     top-level ``params`` tree."""
-    import orbax.checkpoint as ocp
-
     try:
-        meta = ckpt_lib.read_item(params_dir, ocp.PyTreeCheckpointHandler(),
-                                  lambda handler: handler.metadata(params_dir))
+        tree = ckpt_lib.read_metadata_tree(params_dir)
     except ValueError as e:
         raise ValueError(f"init_from={str(path)!r}: {e}") from None
-    tree = dict(getattr(meta, "tree", meta))
     if "params" not in tree:
         raise ValueError(f"init_from={str(path)!r}: {params_dir} holds no 'params' tree "
                          f"(top-level keys {sorted(tree)})")
