@@ -6,7 +6,9 @@ collectives, mesh data 2 x fsdp 2 x tensor 2) on the digits config, with dropout
   resumes from there, the last one finishes;
 * the interrupted-and-resumed 2-process run equals the uninterrupted 1-process 8-device run
   (mesh data 8): loss at every step within 1e-5, the same eval and final parameters. This
-  holds because the input pipeline's global batches do not depend on the process count.
+  holds because the input pipeline's global batches do not depend on the process count;
+* processes given different configs, or workdirs that are not one shared directory, both end
+  with one error before anything is written.
 """
 from __future__ import annotations
 
@@ -242,6 +244,36 @@ def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
     assert code1 == 1 and "process 1: error: optimizer.b2=1.5 is not valid" in out1, out1
     assert code0 == 1 and "process 0: " in out0, out0[-2000:]
     assert time.monotonic() - start < 150
+
+
+def test_processes_started_with_different_configs_both_refuse_it(tmp_path):
+    """Process 1 alone is given another (valid) learning rate: both processes print one error
+    naming the key and both values, before anything is compiled or written."""
+    rate = digits_tiny(**OVERRIDES).optimizer.learning_rate
+    results = launch(tmp_path / "w", tmp_path, "configs",
+                     extra_flags={1: [f"--config.optimizer.learning_rate={rate * 2}"]})
+    for i, (out, code) in enumerate(results):
+        # Process 0 exits 1; JAX's coordination service may then abort process 1 in its grace.
+        assert code == 1 if i == 0 else code != 0, out[-3000:]
+        assert f"process {i}: error: the processes were started with different configs:\n" \
+            f"  process 1: optimizer.learning_rate={rate * 2!r} (process 0: {rate!r})\n" \
+            "Start every process with the same --config" in out, out[-3000:]
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_workdir_the_processes_do_not_share_is_refused_before_it_is_written(tmp_path):
+    """Process 1 is given another --workdir (as a path on each host's own disk would be): it
+    does not see the lock record process 0 holds, and both processes end with one error before
+    the run's config is written."""
+    workdirs = [tmp_path / "w", tmp_path / "w1"]
+    results = launch(workdirs[0], tmp_path, "unshared",
+                     extra_flags={1: [f"--workdir={workdirs[1]}"]})
+    for i, (out, code) in enumerate(results):
+        assert code == 1 if i == 0 else code != 0, out[-3000:]
+        assert f"process {i}: error: workdir {str(workdirs[i])!r} is not one directory shared " \
+            "by every process: process 1 does not see the train.lock that process 0 holds " \
+            "there" in out, out[-3000:]
+    assert [sorted(p.name for p in w.iterdir()) for w in workdirs] == [[], []]
 
 
 def test_a_failed_background_save_stops_both_processes_before_the_next_save(tmp_path):

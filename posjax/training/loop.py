@@ -17,7 +17,8 @@ Several processes: the global batch is split in row blocks, one per process, in 
 mesh's batch sharding gives them (``process_row_blocks``); each process's input pipeline yields
 its block of every process-count-independent global batch. SIGTERM (preemption) reaches
 ``checkpoint.Checkpointer.reached_preemption``: every process stops after the same step, saves
-it and returns ``preempted=True``.
+it and returns ``preempted=True``. Before anything is compiled or written, the processes check
+that they were given the same config and data and share the workdir (``processes``).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
 from posjax.training import optim
+from posjax.training import processes
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir_lock
@@ -612,8 +614,9 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     task.validate()
     mesh = mesh_lib.build_mesh(config.mesh)
     validate_batch(config, mesh)
-    pretrained = evaluates_init_from(config, workdir, training)
     identity = task.data_identity()
+    check_processes_agree(config, identity)
+    pretrained = evaluates_init_from(config, workdir, training)
     tag = ""
     if training:
         check_workdir(workdir, config, identity)
@@ -636,6 +639,36 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         check_init_from_data(config, identity)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
                pretrained, tag, identity)
+
+
+def check_processes_agree(config: ml_collections.ConfigDict,
+                          data_identity: dict[str, Any]) -> None:
+    """Every process must have process 0's config (``config.distributed`` may differ) and
+    read data files of the same content (``data_identity``): ``processes.check_agree``."""
+    flat = _flat(config_dict(config))
+    processes.check_agree({k: v for k, v in flat.items() if not _under(k, ("distributed",))},
+                          "were started with different configs",
+                          "Start every process with the same --config and --config.* flags "
+                          "(only config.distributed may differ).")
+
+    def show(key: str, entry: Any, first: Any) -> str:
+        ranges = _id_ranges(identity_lib.changed_blocks(first or {}, entry or {}))
+        return f"{key}={flat.get(key)!r} holds another vocabulary than process 0's (ids " \
+               f"{ranges} differ)"
+
+    processes.check_agree(data_identity, "read different data",
+                          "Give every host the same copy of the data files.", show)
+
+
+def check_same_splits(pipelines: dict[str, Any]) -> None:
+    """Every process's copy of each split must hold as many examples as process 0's (else its
+    share of the global batches shifts, and an evaluation pass of another length waits forever
+    in a collective). ``pipelines``: {"train" or "test": its pipeline (``num_examples``)}."""
+    processes.check_agree(
+        {split: getattr(pipe, "num_examples", None) for split, pipe in pipelines.items()},
+        "read different data",
+        "Give every host the same copy of the data (the files or TFDS data_dir of config.data).",
+        lambda split, n, first: f"its data.{split}_split has {n} examples (process 0: {first})")
 
 
 def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
@@ -797,6 +830,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
                          f"(available: {steps})")
     pipe = run.make_eval_pipeline()     # data errors before the restore
+    check_same_splits({"test": pipe})
     state, step = _restore_for_eval(run, step, latest)
     return _evaluate_and_write(run, state.params, step, pipe)
 
@@ -805,6 +839,7 @@ def _evaluate_init_from(run: Run) -> dict[str, float]:
     """``evaluate`` on the weights of ``config.init_from`` (``prepare`` checked that they fill
     the whole model), written as step 0."""
     pipe = run.make_eval_pipeline()     # data errors before the first compile
+    check_same_splits({"test": pipe})
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
@@ -915,12 +950,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         test = run.make_eval_pipeline()
         test.iterator.close()
         pipe = run.make_pipeline("train", config.batch_size, True)
+        check_same_splits({"train": pipe, "test": test})
         # Closing stops the input workers and frees the batches they had prefetched.
         with contextlib.closing(pipe.iterator):
             if stop.requested:   # before anything is written
                 return _stopped_in_set_up(run)
             run.workdir.mkdir(parents=True, exist_ok=True)
             with workdir_lock.exclusive(run.workdir, run.is_main):   # one run per workdir
+                processes.check_shared_workdir(run.workdir)
                 if run.is_main:
                     # Again: another run may have ended.
                     check_workdir(run.workdir, config, run.data_identity)

@@ -1,0 +1,95 @@
+"""What the processes of a multi-process run must agree on, checked before anything is compiled
+or written.
+
+Each process parses its own command line, reads its own copy of the data and sees the workdir
+through its own mount. A process started with other hyperparameters traces another program
+around the one global state (a hang, or silently mixed updates); another vocabulary on one host
+gives its ids other meanings; another copy of a split shifts its share of every global batch,
+and an evaluation pass of another length waits forever in a collective; a workdir that is not
+one shared directory leaves every checkpoint split between the hosts' disks. So each value is
+exchanged (``gather``: two all-gathers of its JSON) and every process raises the same error,
+naming the processes and keys that differ from process 0's.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from posjax.training import workdir_lock
+
+SHOWN = 8   # differences named in one error
+
+
+def gather(value: Any) -> list[Any]:
+    """``value`` (JSON-serialisable) of every process, in process order; ``[value]`` with one
+    process. A collective: every process must call it, with its own value."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
+
+
+def differences(values: list[dict[str, Any]],
+                show: Callable[[str, Any, Any], str]) -> list[str]:
+    """'process i: ``show(key, its value, process 0's)``' for every key where a process's
+    dict differs from process 0's (a key one of them lacks has the value None)."""
+    first = values[0]
+    return [f"process {i}: {show(key, other.get(key), first.get(key))}"
+            for i, other in enumerate(values[1:], start=1)
+            for key in sorted(set(first) | set(other)) if other.get(key) != first.get(key)]
+
+
+def check_agree(value: dict[str, Any], what: str, fix: str,
+                show: Callable[[str, Any, Any], str] | None = None) -> None:
+    """Raise, in every process, one ValueError when some process's ``value`` differs from
+    process 0's: 'the processes <what>: <differences>; <fix>'. ``show(key, value, process
+    0's value)`` words one difference (default 'key=value (process 0: value)')."""
+    found = differences(gather(value), show or _show_value)
+    if found:
+        more = f"\n  ... and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
+        raise ValueError(f"the processes {what}:\n  " + "\n  ".join(found[:SHOWN]) + more
+                         + f"\n{fix}")
+
+
+def _show_value(key: str, value: Any, first: Any) -> str:
+    return f"{key}={_absent(value)} (process 0: {_absent(first)})"
+
+
+def _absent(value: Any) -> str:
+    return "<absent>" if value is None else repr(value)
+
+
+def check_shared_workdir(workdir: pathlib.Path) -> None:
+    """Every process must see the lock record (``workdir_lock.LOCK_FILE``) that process 0
+    wrote in ``workdir`` and holds: else the workdir is a directory on each host's own disk
+    (or another path), and a checkpoint, each process writing its own shards, would be whole
+    on none of them."""
+    record = workdir_lock.LOCK_FILE
+    # Process 0's record, once written (the gather waits for it), then whether each sees it.
+    written = gather(_read(workdir / record) if jax.process_index() == 0 else None)[0]
+    sees = gather(_read(workdir / record) == written)
+    missing = [i for i, seen in enumerate(sees) if not seen]
+    if missing:
+        raise ValueError(
+            f"workdir {str(workdir)!r} is not one directory shared by every process: "
+            f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+            f"{'do' if len(missing) > 1 else 'does'} not see the {record} that process 0 "
+            "holds there (a path on each host's own disk, or another --workdir?). Give every "
+            "process the same --workdir, on a file system that every host mounts (NFS, "
+            "Filestore): each process writes its own part of every checkpoint there")
+
+
+def _read(path: pathlib.Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None

@@ -1,0 +1,125 @@
+"""What the processes of a run must agree on (``posjax.training.processes``), with a second
+process simulated: ``gather`` gives this process's value and a changed copy of it as process
+1's. The real all-gather between two processes is tested in test_multiprocess.py."""
+from __future__ import annotations
+
+import copy
+import pathlib
+import types
+
+import pytest
+
+from posjax.training import loop, processes, workdir_lock
+
+
+
+def _second_process(monkeypatch, change) -> list:
+    """``processes.gather`` as two processes: this one's value, then process 1's, a copy that
+    ``change`` (if given) edits in place. Returns the list of the values gathered, filled as
+    they are asked for."""
+    asked = []
+
+    def gather(value):
+        asked.append(value)
+        other = copy.deepcopy(value)
+        if change:
+            change(other)
+        return [value, other]
+    monkeypatch.setattr(processes, "gather", gather)
+    return asked
+
+
+def test_one_process_gathers_its_own_value():
+    assert processes.gather({"a": [1, 2]}) == [{"a": [1, 2]}]
+
+
+def test_differences_name_each_process_and_key():
+    found = processes.differences([{"a": 1, "b": 2}, {"a": 1, "b": 3}, {"a": 0, "c": 4}],
+                                  lambda k, v, first: f"{k}={v} ({first})")
+    assert found == ["process 1: b=3 (2)", "process 2: a=0 (1)", "process 2: b=None (2)",
+                     "process 2: c=4 (None)"]
+
+
+def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
+    def change(config):
+        config["optimizer.learning_rate"] = 0.002
+        config.pop("optimizer.b2")
+    _second_process(monkeypatch, change)
+    config = loop.default_config()
+    with pytest.raises(ValueError) as raised:
+        loop.check_processes_agree(config, {})
+    message = str(raised.value)
+    assert message.startswith("the processes were started with different configs:\n")
+    assert f"process 1: optimizer.learning_rate=0.002 (process 0: " \
+        f"{config.optimizer.learning_rate!r})" in message
+    assert "process 1: optimizer.b2=<absent> (process 0: 0.999)" in message
+    assert "same --config and --config.* flags" in message
+    assert message.count("process 1:") == 2
+
+
+def test_the_distributed_section_may_differ_between_processes(monkeypatch):
+    asked = _second_process(monkeypatch, None)
+    config = loop.default_config()
+    config.distributed.process_id = 3
+    loop.check_processes_agree(config, {})
+    assert not any(k.startswith("distributed") for k in asked[0])
+    assert asked[0]["optimizer.learning_rate"] == config.optimizer.learning_rate
+
+
+def _vocabulary(blocks: list[str]) -> dict:
+    return {"sha256": "".join(blocks), "size": 1024 * len(blocks) - 10, "block": 1024,
+            "blocks": blocks}
+
+
+def test_a_host_with_another_vocabulary_is_one_error_naming_the_ids(monkeypatch):
+    def change(value):
+        if isinstance(value.get("data.tokenizer"), dict):   # the identity; the config passes
+            value["data.tokenizer"] = _vocabulary(["a", "B", "c", "D"])
+    _second_process(monkeypatch, change)
+    config = loop.default_config()
+    config.data.tokenizer = "/data/vocab.txt"
+    with pytest.raises(ValueError) as raised:
+        loop.check_processes_agree(config, {"data.tokenizer": _vocabulary(["a", "b", "c", "d"])})
+    assert str(raised.value) == (
+        "the processes read different data:\n  process 1: data.tokenizer='/data/vocab.txt' "
+        "holds another vocabulary than process 0's (ids 1024–2047, 3072–4085 differ)\n"
+        "Give every host the same copy of the data files.")
+
+
+def test_a_host_with_another_copy_of_a_split_is_one_error(monkeypatch):
+    def change(counts):
+        counts["test"] -= 1
+    _second_process(monkeypatch, change)
+    pipes = {"train": types.SimpleNamespace(num_examples=1000),
+             "test": types.SimpleNamespace(num_examples=359)}
+    with pytest.raises(ValueError, match=r"process 1: its data.test_split has 358 examples "
+                                         r"\(process 0: 359\)\nGive every host the same copy"):
+        loop.check_same_splits(pipes)
+
+
+def test_processes_that_agree_pass(monkeypatch):
+    asked = _second_process(monkeypatch, None)
+    loop.check_processes_agree(loop.default_config(), {"data.tokenizer": _vocabulary(["a"])})
+    loop.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
+    assert asked[1:] == [{"data.tokenizer": _vocabulary(["a"])}, {"test": 3}]
+
+
+def test_a_workdir_a_process_does_not_share_is_one_error(tmp_path: pathlib.Path, monkeypatch):
+    views = []
+
+    def gather(value):   # process 1 reads its own, empty directory
+        views.append(value)
+        return [value, None]
+    monkeypatch.setattr(processes, "gather", gather)
+    with workdir_lock.exclusive(tmp_path):
+        with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by "
+                                             r"every process: process 1 does not see the "
+                                             r"train.lock that process 0 holds there"):
+            processes.check_shared_workdir(tmp_path)
+    assert views and '"pid"' in views[0]   # process 0's view is its lock record
+
+
+def test_a_workdir_every_process_sees_passes(tmp_path: pathlib.Path, monkeypatch):
+    monkeypatch.setattr(processes, "gather", lambda value: [value, value, value])
+    with workdir_lock.exclusive(tmp_path):
+        processes.check_shared_workdir(tmp_path)
