@@ -5,7 +5,8 @@
 * a checkpoint restores onto another mesh and device count; eval reproduces the final eval and
   writes one file per evaluated split;
 * init_from loads converter output (matching by path, new heads keep their init) and says in
-  one warning what it did not load as is.
+  one warning what it did not load as is;
+* a step out of device memory is one error naming what fills the device and the keys to change.
 
 Real multi-process runs: tests/test_multiprocess.py.
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import re
 import shutil
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -555,3 +558,92 @@ def test_a_resume_with_another_process_count_is_refused_up_front(runs, tmp_path)
                                          r"processes, not the current 1: resume with the same "
                                          r"process count"):
         loop.train(config, workdir)
+
+
+def _out_of_memory() -> jax.errors.JaxRuntimeError:
+    """XLA's own RESOURCE_EXHAUSTED: a 1 PiB output buffer, refused when it is allocated (more
+    than any address space holds: nothing is computed)."""
+    too_big = jax.jit(lambda x: jnp.sin(jnp.broadcast_to(x[:, None], (x.shape[0], 2**34))))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as raised:
+        too_big(jnp.ones((2**14,)))
+    return raised.value
+
+
+def _failing_at_call(make_step, n: int, error: Exception):
+    """``make_step`` whose step raises ``error`` at its ``n``-th call (1-based)."""
+    def make(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+        calls = []
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return step(*a)
+        return run
+    return make
+
+
+def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoints(
+        tmp_path, monkeypatch):
+    """The train step fails as XLA fails a batch too big for the devices (the error of a real
+    refused allocation) at step 3, after step 2's checkpoint: one ValueError saying what each
+    device holds and which keys make it fit; the checkpoint is kept and the run resumes from
+    it once the step fits."""
+    config = syn.tiny_config()
+    monkeypatch.setattr(loop.steps_lib, "make_train_step",
+                        _failing_at_call(loop.steps_lib.make_train_step, 3, _out_of_memory()))
+    with pytest.raises(ValueError) as raised:
+        loop.train(config, tmp_path)
+    message = str(raised.value)
+    assert re.fullmatch(
+        r"the train step ran out of memory \(Out of memory allocating 1125899906842624 "
+        r"bytes\.\)\. Per device the train state \(parameters and optimizer state\) takes "
+        r"[0-9.e-]+ GiB; the rest holds one pass's activations \(2 examples per device\)\. To "
+        r"fit it: lower batch_size \(now 16\) or raise microbatches \(now 1: each step then "
+        r"runs in that many passes over parts of the batch, with the same gradients\), set "
+        r"model.remat=True \(recompute each layer's activations in the backward pass\), or "
+        r"shard the state over more devices \(mesh.fsdp, now 1; mesh.tensor, now 1\)\.",
+        message), message
+    assert loop.saved_steps(tmp_path) == [2]
+    monkeypatch.undo()
+    result = loop.train(config, tmp_path)
+    assert (result.start, result.step) == (2, config.num_steps)
+
+
+def test_the_state_bytes_per_device_and_a_state_that_fills_the_device(tmp_path, monkeypatch):
+    config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2, "model.remat": True})
+    run = loop.prepare(config, tmp_path, training=True)
+    sizes = {"data": 4, "fsdp": 2, "tensor": 1}
+    expected = 0
+    for leaf in jax.tree.leaves(run.abstract):
+        spec = leaf.sharding.spec
+        shape = [n // math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s or ()))
+                 for n, s in zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))]
+        expected += math.prod(shape) * leaf.dtype.itemsize
+    assert loop.bytes_per_device(run.abstract) == expected
+    assert expected < loop.bytes_per_device(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.abstract))   # fsdp splits some
+    monkeypatch.setattr(loop, "device_memory_limit", lambda: expected)
+    message = loop.out_of_memory_message(run, "Out of memory", evaluating=False)
+    assert f"takes {expected / 2**30:.3g} GiB of the device's {expected / 2**30:.3g} GiB" \
+        in message
+    assert message.endswith("To fit it: the train state alone (nearly) fills each device: "
+                            "shard it over more devices (mesh.fsdp, now 2; mesh.tensor, now "
+                            "1), or train a smaller model.")
+    monkeypatch.setattr(loop, "device_memory_limit", lambda: 100 * expected)
+    message = loop.out_of_memory_message(run, "Out of memory", evaluating=False)
+    assert "model.remat" not in message and "lower batch_size (now 16)" in message
+
+
+def test_an_eval_step_out_of_memory_names_eval_batch_size(runs, monkeypatch):
+    config, straight, _, _ = runs
+    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
+                        _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
+    with pytest.raises(ValueError, match=r"^the eval step ran out of memory \(Out of memory "
+                                         r"allocating 1125899906842624 bytes\.\)\. Per device "
+                                         r"the parameters take [0-9.e-]+ GiB; the rest holds "
+                                         r"one eval batch's activations \(2 examples per "
+                                         r"device\)\. To fit it: lower eval_batch_size \(now "
+                                         r"0; 0: batch_size, 16\), or shard"):
+        loop.evaluate(config, straight)

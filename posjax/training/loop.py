@@ -700,7 +700,8 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
     progress line (batches done, examples/s, ETA) at most every ``EVAL_PROGRESS_S``."""
     collected: dict[str, list[np.ndarray]] = {}
     progress = EvalProgress(num_batches)
-    with contextlib.closing(batches):   # as in train: stops the input workers
+    # Closing stops the input workers, as in train.
+    with memory_advice(run, evaluating=True), contextlib.closing(batches):
         for local in batches:
             batch = global_batch(local, run.mesh)
             outputs = dict(eval_step(params, batch))
@@ -716,6 +717,82 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
         with ckpt_lib.writing(f"the predictions in {predictions_dir}"):
             run.task.write_predictions(outputs, predictions_dir)
     return run.task.summarize(outputs)
+
+
+@contextlib.contextmanager
+def memory_advice(run: Run, evaluating: bool = False) -> Iterator[None]:
+    """XLA's RESOURCE_EXHAUSTED inside the block (device memory; host memory on CPU), raised
+    when a step is compiled or run, becomes one ValueError: what each device holds, and the
+    config keys that make the step fit."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        first = str(e).strip().split("\n", 1)[0]
+        if "RESOURCE_EXHAUSTED" not in first:
+            raise
+        xla = _short_text(first.replace("RESOURCE_EXHAUSTED: ", ""), 300)
+        raise ValueError(out_of_memory_message(run, xla, evaluating)) from None
+
+
+def out_of_memory_message(run: Run, xla: str, evaluating: bool) -> str:
+    """The error for a step that ran out of memory (``xla``: XLA's words)."""
+    config, mesh = run.config, run.mesh
+    shards = mesh_lib.batch_shards(mesh)
+    limit = device_memory_limit()
+    of = f" of the device's {_gib(limit)}" if limit else ""
+    fsdp = f"mesh.fsdp, now {mesh.shape['fsdp']}; mesh.tensor, now {mesh.shape['tensor']}"
+    remat = "" if getattr(run.task.model_config, "remat", True) else \
+        ", set model.remat=True (recompute each layer's activations in the backward pass)"
+    if evaluating:
+        size = config.eval_batch_size or config.batch_size
+        held = bytes_per_device(run.abstract.params)
+        return (f"the eval step ran out of memory ({xla}). Per device the parameters take "
+                f"{_gib(held)}{of}; the rest holds one eval batch's activations "
+                f"({size // shards} examples per device). To fit it: lower eval_batch_size "
+                f"(now {config.eval_batch_size}; 0: batch_size, {config.batch_size}), or shard "
+                f"the parameters over more devices ({fsdp}).")
+    held = bytes_per_device(run.abstract)
+    m = config.microbatches
+    if limit and held >= 0.9 * limit:
+        fix = (f"the train state alone (nearly) fills each device: shard it over more devices "
+               f"({fsdp}), or train a smaller model")
+    else:
+        fix = (f"lower batch_size (now {config.batch_size}) or raise microbatches (now {m}: "
+               f"each step then runs in that many passes over parts of the batch, with the "
+               f"same gradients){remat}, or shard the state over more devices ({fsdp})")
+    return (f"the train step ran out of memory ({xla}). Per device the train state "
+            f"(parameters and optimizer state) takes {_gib(held)}{of}; the rest holds one "
+            f"pass's activations ({config.batch_size // shards // m} examples per device). To "
+            f"fit it: {fix}.")
+
+
+def bytes_per_device(abstract: Any) -> int:
+    """Bytes of ``abstract``'s (ShapeDtypeStructs with shardings) shards on this process's first
+    device."""
+    device = jax.local_devices()[0]
+    total = 0
+    for leaf in jax.tree.leaves(abstract):
+        size = math.prod(leaf.shape)
+        if leaf.sharding is not None:
+            index = leaf.sharding.devices_indices_map(leaf.shape)[device]
+            size = math.prod(len(range(n)[i]) for i, n in zip(index, leaf.shape))
+        total += size * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def device_memory_limit() -> int | None:
+    """Bytes the first local device's allocator may use (GPU, TPU); None where the platform
+    does not say (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def _short_text(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 EVAL_PROGRESS_S = 10.0   # run_evaluation's progress lines: at most one per this many seconds
@@ -967,8 +1044,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                     config.checkpoint.async_save, stop=stop)
                 try:
-                    return _train(run, checkpointer, pipe.iterator, test.dataset,
-                                  getattr(test, "num_batches", None), stop_after)
+                    with memory_advice(run):
+                        return _train(run, checkpointer, pipe.iterator, test.dataset,
+                                      getattr(test, "num_batches", None), stop_after)
                 finally:
                     checkpointer.close()
 
