@@ -234,6 +234,22 @@ def test_eval_processes_evaluate_the_step_process_0_chose(runs):
     assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
 
 
+def test_eval_refuses_a_workdir_the_processes_do_not_share(runs, tmp_path):
+    """eval.py with process 1 on an empty directory of its own (as a path on each host's own
+    disk would be): both processes end with the same error, not process 1 alone with 'no
+    checkpoints' (its view) while process 0 waits for it in a collective."""
+    _, multi, _, _, _ = runs
+    results = launch(multi, tmp_path, "eval_unshared", config=f"configs/saved.py:{multi}",
+                     overrides={"peak_flops": 1e12}, script="eval.py",
+                     extra_flags={1: [f"--workdir={tmp_path / 'empty'}"]})
+    for i, (out, code) in enumerate(results):
+        workdir = multi if i == 0 else tmp_path / "empty"
+        assert code == 1 if i == 0 else code != 0, out[-3000:]
+        assert f"process {i}: error: workdir {str(workdir)!r} is not one directory shared by " \
+            "every process: process 1 does not see the config.json that process 0 sees " \
+            "there" in out, out[-3000:]
+
+
 def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
     """Process 1 alone has a bad config: it prints the error and ends at once, without JAX's
     shutdown barrier (which would hold it for minutes); process 0, waiting for it in a
@@ -271,7 +287,7 @@ def test_a_workdir_the_processes_do_not_share_is_refused_before_it_is_written(tm
     for i, (out, code) in enumerate(results):
         assert code == 1 if i == 0 else code != 0, out[-3000:]
         assert f"process {i}: error: workdir {str(workdirs[i])!r} is not one directory shared " \
-            "by every process: process 1 does not see the train.lock that process 0 holds " \
+            "by every process: process 1 does not see the train.lock that process 0 sees " \
             "there" in out, out[-3000:]
     assert [sorted(p.name for p in w.iterdir()) for w in workdirs] == [[], []]
 

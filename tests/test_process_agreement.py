@@ -114,7 +114,7 @@ def test_a_workdir_a_process_does_not_share_is_one_error(tmp_path: pathlib.Path,
     with workdir_lock.exclusive(tmp_path):
         with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by "
                                              r"every process: process 1 does not see the "
-                                             r"train.lock that process 0 holds there"):
+                                             r"train.lock that process 0 sees there"):
             processes.check_shared_workdir(tmp_path)
     assert views and '"pid"' in views[0]   # process 0's view is its lock record
 

@@ -616,6 +616,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     validate_batch(config, mesh)
     identity = task.data_identity()
     check_processes_agree(config, identity)
+    if not training:   # (train.py checks once it holds the workdir)
+        processes.check_shared_workdir(workdir, CONFIG_FILE)
     pretrained = evaluates_init_from(config, workdir, training)
     tag = ""
     if training:

@@ -68,24 +68,25 @@ def _absent(value: Any) -> str:
     return "<absent>" if value is None else repr(value)
 
 
-def check_shared_workdir(workdir: pathlib.Path) -> None:
-    """Every process must see the lock record (``workdir_lock.LOCK_FILE``) that process 0
-    wrote in ``workdir`` and holds: else the workdir is a directory on each host's own disk
-    (or another path), and a checkpoint, each process writing its own shards, would be whole
-    on none of them."""
-    record = workdir_lock.LOCK_FILE
-    # Process 0's record, once written (the gather waits for it), then whether each sees it.
-    written = gather(_read(workdir / record) if jax.process_index() == 0 else None)[0]
-    sees = gather(_read(workdir / record) == written)
-    missing = [i for i, seen in enumerate(sees) if not seen]
+def check_shared_workdir(workdir: pathlib.Path, name: str = workdir_lock.LOCK_FILE) -> None:
+    """Every process must read the file ``name`` in ``workdir`` as process 0 does (absent
+    included): else the workdir is a directory on each host's own disk (or another path), and
+    a checkpoint, each process writing or reading its own shards, is whole on none of them.
+    Training checks the lock record process 0 has just written and holds
+    (``workdir_lock.LOCK_FILE``); evaluation the run's config."""
+    # Process 0's view, once written (the gather waits for it), then whether each shares it.
+    seen = gather(_read(workdir / name) if jax.process_index() == 0 else None)[0]
+    shares = gather(_read(workdir / name) == seen)
+    missing = [i for i, shared in enumerate(shares) if not shared]
     if missing:
+        several = len(missing) > 1
         raise ValueError(
             f"workdir {str(workdir)!r} is not one directory shared by every process: "
-            f"process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-            f"{'do' if len(missing) > 1 else 'does'} not see the {record} that process 0 "
-            "holds there (a path on each host's own disk, or another --workdir?). Give every "
-            "process the same --workdir, on a file system that every host mounts (NFS, "
-            "Filestore): each process writes its own part of every checkpoint there")
+            f"process{'es' if several else ''} {', '.join(map(str, missing))} "
+            f"{'do' if several else 'does'} not see the {name} that process 0 sees there (a "
+            "path on each host's own disk, or another --workdir?). Give every process the same "
+            "--workdir, on a file system that every host mounts (NFS, Filestore): each process "
+            "writes and reads its own part of every checkpoint there")
 
 
 def _read(path: pathlib.Path) -> str | None:
