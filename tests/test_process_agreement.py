@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from posjax.training import loop, processes, workdir_lock
+from posjax.training import loop, processes
 
 
 
@@ -47,7 +47,7 @@ def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
     _second_process(monkeypatch, change)
     config = loop.default_config()
     with pytest.raises(ValueError) as raised:
-        loop.check_processes_agree(config, {})
+        loop.check_same_config(config)
     message = str(raised.value)
     assert message.startswith("the processes were started with different configs:\n")
     assert f"process 1: optimizer.learning_rate=0.002 (process 0: " \
@@ -61,7 +61,7 @@ def test_the_distributed_section_may_differ_between_processes(monkeypatch):
     asked = _second_process(monkeypatch, None)
     config = loop.default_config()
     config.distributed.process_id = 3
-    loop.check_processes_agree(config, {})
+    loop.check_same_config(config)
     assert not any(k.startswith("distributed") for k in asked[0])
     assert asked[0]["optimizer.learning_rate"] == config.optimizer.learning_rate
 
@@ -72,14 +72,14 @@ def _vocabulary(blocks: list[str]) -> dict:
 
 
 def test_a_host_with_another_vocabulary_is_one_error_naming_the_ids(monkeypatch):
-    def change(value):
-        if isinstance(value.get("data.tokenizer"), dict):   # the identity; the config passes
-            value["data.tokenizer"] = _vocabulary(["a", "B", "c", "D"])
+    def change(identity):
+        identity["data.tokenizer"] = _vocabulary(["a", "B", "c", "D"])
     _second_process(monkeypatch, change)
     config = loop.default_config()
     config.data.tokenizer = "/data/vocab.txt"
     with pytest.raises(ValueError) as raised:
-        loop.check_processes_agree(config, {"data.tokenizer": _vocabulary(["a", "b", "c", "d"])})
+        loop.check_same_data_identity(config,
+                                      {"data.tokenizer": _vocabulary(["a", "b", "c", "d"])})
     assert str(raised.value) == (
         "the processes read different data:\n  process 1: data.tokenizer='/data/vocab.txt' "
         "holds another vocabulary than process 0's (ids 1024–2047, 3072–4085 differ)\n"
@@ -99,7 +99,8 @@ def test_a_host_with_another_copy_of_a_split_is_one_error(monkeypatch):
 
 def test_processes_that_agree_pass(monkeypatch):
     asked = _second_process(monkeypatch, None)
-    loop.check_processes_agree(loop.default_config(), {"data.tokenizer": _vocabulary(["a"])})
+    loop.check_same_config(loop.default_config())
+    loop.check_same_data_identity(loop.default_config(), {"data.tokenizer": _vocabulary(["a"])})
     loop.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
     assert asked[1:] == [{"data.tokenizer": _vocabulary(["a"])}, {"test": 3}]
 
@@ -111,15 +112,28 @@ def test_a_workdir_a_process_does_not_share_is_one_error(tmp_path: pathlib.Path,
         views.append(value)
         return [value, None]
     monkeypatch.setattr(processes, "gather", gather)
-    with workdir_lock.exclusive(tmp_path):
-        with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by "
-                                             r"every process: process 1 does not see the "
-                                             r"train.lock that process 0 sees there"):
-            processes.check_shared_workdir(tmp_path)
-    assert views and '"pid"' in views[0]   # process 0's view is its lock record
+    with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by every "
+                                         r"process: process 1 does not see a file that process "
+                                         r"0 wrote there"):
+        processes.check_shared_workdir(tmp_path)
+    name, content = views[0]   # process 0's probe: a new name each time, removed after
+    assert name.startswith(".shared-workdir-check-") and content == name
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"process 1 does not see the config.json that process "
+                                         r"0 sees there"):
+        processes.check_shared_workdir(tmp_path, "config.json")
 
 
 def test_a_workdir_every_process_sees_passes(tmp_path: pathlib.Path, monkeypatch):
-    monkeypatch.setattr(processes, "gather", lambda value: [value, value, value])
-    with workdir_lock.exclusive(tmp_path):
-        processes.check_shared_workdir(tmp_path)
+    names = []
+
+    def gather(value):
+        names.append(value)
+        return [value, value, value]
+    monkeypatch.setattr(processes, "gather", gather)
+    processes.check_shared_workdir(tmp_path)
+    processes.check_shared_workdir(tmp_path)
+    assert names[0][0] != names[2][0]   # a new probe name each time
+    processes.check_shared_workdir(tmp_path, "config.json")   # absent for every process
+    assert list(tmp_path.iterdir()) == []

@@ -585,11 +585,11 @@ def _failing_at_call(make_step, n: int, error: Exception):
 
 
 def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoints(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, caplog):
     """The train step fails as XLA fails a batch too big for the devices (the error of a real
     refused allocation) at step 3, after step 2's checkpoint: one ValueError saying what each
-    device holds and which keys make it fit; the checkpoint is kept and the run resumes from
-    it once the step fits."""
+    device holds and which keys make it fit (XLA's report logged in full); the checkpoint is
+    kept and the run resumes from it once the step fits."""
     config = syn.tiny_config()
     monkeypatch.setattr(loop.steps_lib, "make_train_step",
                         _failing_at_call(loop.steps_lib.make_train_step, 3, _out_of_memory()))
@@ -597,53 +597,85 @@ def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoin
         loop.train(config, tmp_path)
     message = str(raised.value)
     assert re.fullmatch(
-        r"the train step ran out of memory \(Out of memory allocating 1125899906842624 "
-        r"bytes\.\)\. Per device the train state \(parameters and optimizer state\) takes "
-        r"[0-9.e-]+ GiB; the rest holds one pass's activations \(2 examples per device\)\. To "
-        r"fit it: lower batch_size \(now 16\) or raise microbatches \(now 1: each step then "
-        r"runs in that many passes over parts of the batch, with the same gradients\), set "
-        r"model.remat=True \(recompute each layer's activations in the backward pass\), or "
-        r"shard the state over more devices \(mesh.fsdp, now 1; mesh.tensor, now 1\)\.",
+        r"training ran out of memory \(Out of memory allocating 1125899906842624 bytes\.\)\. "
+        r"Per device the train state \(parameters and optimizer state\) takes [0-9.e-]+ GiB; "
+        r"the rest holds the gradients and one pass's activations \(2 examples per device\)\. "
+        r"To fit it: lower batch_size \(now 16\) or raise microbatches \(now 1: each step "
+        r"then runs in that many passes over parts of the batch, with the same gradients\), "
+        r"set model.remat=True \(recompute each layer's activations in the backward pass\), "
+        r"or shard the state over more devices \(mesh.fsdp, now 1; mesh.tensor, now 1\)\.",
         message), message
+    assert "RESOURCE_EXHAUSTED: Out of memory allocating 1125899906842624 bytes." in caplog.text
     assert loop.saved_steps(tmp_path) == [2]
     monkeypatch.undo()
     result = loop.train(config, tmp_path)
     assert (result.start, result.step) == (2, config.num_steps)
 
 
-def test_the_state_bytes_per_device_and_a_state_that_fills_the_device(tmp_path, monkeypatch):
+def test_out_of_memory_advice_follows_the_state_and_the_batch(tmp_path, monkeypatch):
+    """The bytes per device are the state's shards; a state that with its gradients (nearly)
+    fills the device gets only the sharding advice; keys already at their limit (remat on, one
+    example per device) are not offered."""
     config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2, "model.remat": True})
     run = loop.prepare(config, tmp_path, training=True)
     sizes = {"data": 4, "fsdp": 2, "tensor": 1}
-    expected = 0
-    for leaf in jax.tree.leaves(run.abstract):
-        spec = leaf.sharding.spec
-        shape = [n // math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s or ()))
-                 for n, s in zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))]
-        expected += math.prod(shape) * leaf.dtype.itemsize
-    assert loop.bytes_per_device(run.abstract) == expected
-    assert expected < loop.bytes_per_device(jax.tree.map(
+
+    def expected_bytes(tree) -> int:
+        total = 0
+        for leaf in jax.tree.leaves(tree):
+            spec = tuple(leaf.sharding.spec) + (None,) * len(leaf.shape)
+            total += math.prod(
+                n // math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s or ()))
+                for n, s in zip(leaf.shape, spec)) * leaf.dtype.itemsize
+        return total
+
+    state, params = expected_bytes(run.abstract), expected_bytes(run.abstract.params)
+    assert loop.bytes_per_device(run.abstract) == state
+    assert state < loop.bytes_per_device(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.abstract))   # fsdp splits some
-    monkeypatch.setattr(loop, "device_memory_limit", lambda: expected)
-    message = loop.out_of_memory_message(run, "Out of memory", evaluating=False)
-    assert f"takes {expected / 2**30:.3g} GiB of the device's {expected / 2**30:.3g} GiB" \
+    monkeypatch.setattr(loop, "device_memory_limit", lambda: state + params)
+    message = loop.out_of_memory_message(run, "Out of memory", False, True)
+    gib = f"{(state + params) / 2**30:.3g} GiB"
+    assert f"takes {state / 2**30:.3g} GiB of the device's {gib}" in message
+    assert message.endswith(f"To fit it: with the gradients it (nearly) fills each device "
+                            f"({gib}) whatever the batch: shard the state over more devices "
+                            "(mesh.fsdp, now 2; mesh.tensor, now 1), or train a smaller model.")
+    monkeypatch.setattr(loop, "device_memory_limit", lambda: 100 * state)
+    message = loop.out_of_memory_message(run, "Out of memory", False, True)
+    assert message.endswith("(2 examples per device). To fit it: lower batch_size (now 16) or "
+                            "raise microbatches (now 1: each step then runs in that many passes "
+                            "over parts of the batch, with the same gradients) or shard the "
+                            "state over more devices (mesh.fsdp, now 2; mesh.tensor, now 1).")
+    run.config.microbatches = 2
+    message = loop.out_of_memory_message(run, "Out of memory", False, True)
+    assert message.endswith("(1 example per device). To fit it: shard the state over more "
+                            "devices (mesh.fsdp, now 2; mesh.tensor, now 1).")
+    message = loop.out_of_memory_message(run, "Out of memory", True, False)
+    assert f"Per device the parameters take {params / 2**30:.3g} GiB of the device's " \
         in message
-    assert message.endswith("To fit it: the train state alone (nearly) fills each device: "
-                            "shard it over more devices (mesh.fsdp, now 2; mesh.tensor, now "
-                            "1), or train a smaller model.")
-    monkeypatch.setattr(loop, "device_memory_limit", lambda: 100 * expected)
-    message = loop.out_of_memory_message(run, "Out of memory", evaluating=False)
-    assert "model.remat" not in message and "lower batch_size (now 16)" in message
 
 
-def test_an_eval_step_out_of_memory_names_eval_batch_size(runs, monkeypatch):
+def test_an_eval_out_of_memory_names_eval_batch_size(runs, monkeypatch):
     config, straight, _, _ = runs
     monkeypatch.setattr(loop.steps_lib, "make_eval_step",
                         _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
-    with pytest.raises(ValueError, match=r"^the eval step ran out of memory \(Out of memory "
+    with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(Out of memory "
                                          r"allocating 1125899906842624 bytes\.\)\. Per device "
                                          r"the parameters take [0-9.e-]+ GiB; the rest holds "
                                          r"one eval batch's activations \(2 examples per "
                                          r"device\)\. To fit it: lower eval_batch_size \(now "
-                                         r"0; 0: batch_size, 16\), or shard"):
+                                         r"0; 0: batch_size, 16\) or shard the parameters"):
         loop.evaluate(config, straight)
+
+
+def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, monkeypatch):
+    """A periodic eval out of memory: the train state is on the devices too (and step 2's
+    checkpoint, saved before the eval, is kept)."""
+    config = syn.tiny_config(eval_every_steps=2)
+    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
+                        _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
+    with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(.*\)\. Per device "
+                                         r"the train state \(parameters and optimizer state\) "
+                                         r"takes [0-9.e-]+ GiB; the rest holds one eval batch's"):
+        loop.train(config, tmp_path)
+    assert loop.saved_steps(tmp_path) == [2]

@@ -609,13 +609,14 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             training: bool) -> Run:
     """Validate everything and build the run's objects (abstract only: nothing compiled)."""
     workdir = local_path(workdir, "--workdir")
+    check_same_config(config)   # first: else one process may fail alone on its own config
     task = make_task(config)
     validate_training_config(config)
     task.validate()
     mesh = mesh_lib.build_mesh(config.mesh)
     validate_batch(config, mesh)
     identity = task.data_identity()
-    check_processes_agree(config, identity)
+    check_same_data_identity(config, identity)
     if not training:   # (train.py checks once it holds the workdir)
         processes.check_shared_workdir(workdir, CONFIG_FILE)
     pretrained = evaluates_init_from(config, workdir, training)
@@ -643,15 +644,21 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                pretrained, tag, identity)
 
 
-def check_processes_agree(config: ml_collections.ConfigDict,
-                          data_identity: dict[str, Any]) -> None:
-    """Every process must have process 0's config (``config.distributed`` may differ) and
-    read data files of the same content (``data_identity``): ``processes.check_agree``."""
+def check_same_config(config: ml_collections.ConfigDict) -> None:
+    """Every process must have process 0's config (``config.distributed`` may differ):
+    ``processes.check_agree``."""
     flat = _flat(config_dict(config))
     processes.check_agree({k: v for k, v in flat.items() if not _under(k, ("distributed",))},
                           "were started with different configs",
                           "Start every process with the same --config and --config.* flags "
                           "(only config.distributed may differ).")
+
+
+def check_same_data_identity(config: ml_collections.ConfigDict,
+                             data_identity: dict[str, Any]) -> None:
+    """Every process's data files must mean what process 0's do (``data_identity``: the
+    vocabulary), though the configs agree: a host with another copy under the same path."""
+    flat = _flat(config_dict(config))
 
     def show(key: str, entry: Any, first: Any) -> str:
         ranges = _id_ranges(identity_lib.changed_blocks(first or {}, entry or {}))
@@ -693,8 +700,8 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 
 
 def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str, np.ndarray]],
-                   num_batches: int | None, predictions_dir: pathlib.Path | None = None
-                   ) -> dict[str, float]:
+                   num_batches: int | None, predictions_dir: pathlib.Path | None = None,
+                   holds_state: bool = False) -> dict[str, float]:
     """One pass over the test split's ``batches`` (this process's, ``num_batches`` of them; a
     grain iterator, closed at the end to stop its input workers); per-example outputs gathered
     from every process, padded examples dropped, then ``task.summarize`` (and
@@ -703,7 +710,8 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
     collected: dict[str, list[np.ndarray]] = {}
     progress = EvalProgress(num_batches)
     # Closing stops the input workers, as in train.
-    with memory_advice(run, evaluating=True), contextlib.closing(batches):
+    with memory_advice(run, evaluating=True, holds_state=holds_state), \
+            contextlib.closing(batches):
         for local in batches:
             batch = global_batch(local, run.mesh)
             outputs = dict(eval_step(params, batch))
@@ -722,63 +730,93 @@ def run_evaluation(run: Run, params: Any, eval_step, batches: Iterator[dict[str,
 
 
 @contextlib.contextmanager
-def memory_advice(run: Run, evaluating: bool = False) -> Iterator[None]:
+def memory_advice(run: Run, evaluating: bool = False, holds_state: bool = True
+                  ) -> Iterator[None]:
     """XLA's RESOURCE_EXHAUSTED inside the block (device memory; host memory on CPU), raised
-    when a step is compiled or run, becomes one ValueError: what each device holds, and the
-    config keys that make the step fit."""
+    when a program is compiled or run, becomes one ValueError: what each device holds
+    (``holds_state``: the train state, else the parameters), and the config keys that make
+    training (or ``evaluating``) fit. XLA's whole report (its largest allocations, on GPU and
+    TPU) is logged first."""
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
-        first = str(e).strip().split("\n", 1)[0]
+        text = str(e).strip()
+        first = text.split("\n", 1)[0]
         if "RESOURCE_EXHAUSTED" not in first:
             raise
+        logging.error("%s", text)
         xla = _short_text(first.replace("RESOURCE_EXHAUSTED: ", ""), 300)
-        raise ValueError(out_of_memory_message(run, xla, evaluating)) from None
+        raise ValueError(out_of_memory_message(run, xla, evaluating, holds_state)) from None
 
 
-def out_of_memory_message(run: Run, xla: str, evaluating: bool) -> str:
-    """The error for a step that ran out of memory (``xla``: XLA's words)."""
+def out_of_memory_message(run: Run, xla: str, evaluating: bool, holds_state: bool) -> str:
+    """The error for a run out of memory (``xla``: XLA's words; see ``memory_advice``)."""
     config, mesh = run.config, run.mesh
     shards = mesh_lib.batch_shards(mesh)
     limit = device_memory_limit()
-    of = f" of the device's {_gib(limit)}" if limit else ""
-    fsdp = f"mesh.fsdp, now {mesh.shape['fsdp']}; mesh.tensor, now {mesh.shape['tensor']}"
-    remat = "" if getattr(run.task.model_config, "remat", True) else \
-        ", set model.remat=True (recompute each layer's activations in the backward pass)"
+    params = bytes_per_device(run.abstract.params)
+    held, held_name, verb, sharded = (
+        (bytes_per_device(run.abstract), "the train state (parameters and optimizer state)",
+         "takes", "state") if holds_state else (params, "the parameters", "take", "parameters"))
+    sharding = (f"shard the {sharded} over more devices (mesh.fsdp, now {mesh.shape['fsdp']}; "
+                f"mesh.tensor, now {mesh.shape['tensor']})")
     if evaluating:
-        size = config.eval_batch_size or config.batch_size
-        held = bytes_per_device(run.abstract.params)
-        return (f"the eval step ran out of memory ({xla}). Per device the parameters take "
-                f"{_gib(held)}{of}; the rest holds one eval batch's activations "
-                f"({size // shards} examples per device). To fit it: lower eval_batch_size "
-                f"(now {config.eval_batch_size}; 0: batch_size, {config.batch_size}), or shard "
-                f"the parameters over more devices ({fsdp}).")
-    held = bytes_per_device(run.abstract)
-    m = config.microbatches
-    if limit and held >= 0.9 * limit:
-        fix = (f"the train state alone (nearly) fills each device: shard it over more devices "
-               f"({fsdp}), or train a smaller model")
+        per_device = (config.eval_batch_size or config.batch_size) // shards
+        rest = f"one eval batch's activations ({_examples(per_device)} per device)"
+        fixes = [f"lower eval_batch_size (now {config.eval_batch_size}; 0: batch_size, "
+                 f"{config.batch_size})"] if per_device > 1 else []
+        fix = _alternatives(fixes + [sharding])
     else:
-        fix = (f"lower batch_size (now {config.batch_size}) or raise microbatches (now {m}: "
-               f"each step then runs in that many passes over parts of the batch, with the "
-               f"same gradients){remat}, or shard the state over more devices ({fsdp})")
-    return (f"the train step ran out of memory ({xla}). Per device the train state "
-            f"(parameters and optimizer state) takes {_gib(held)}{of}; the rest holds one "
-            f"pass's activations ({config.batch_size // shards // m} examples per device). To "
-            f"fit it: {fix}.")
+        m = config.microbatches
+        per_device = config.batch_size // shards // m
+        rest = f"the gradients and one pass's activations ({_examples(per_device)} per device)"
+        # The state, the gradients (and their sum over microbatches) whatever the batch.
+        fixed = None if held is None or params is None else held + params * (1 + (m > 1))
+        if limit and fixed is not None and fixed >= 0.9 * limit:
+            fix = (f"with the gradients it (nearly) fills each device ({_gib(fixed)}) whatever "
+                   f"the batch: {sharding}, or train a smaller model")
+        else:
+            fixes = [f"lower batch_size (now {config.batch_size}) or raise microbatches (now "
+                     f"{m}: each step then runs in that many passes over parts of the batch, "
+                     "with the same gradients)"] if per_device > 1 else []
+            if not getattr(run.task.model_config, "remat", True):
+                fixes.append("set model.remat=True (recompute each layer's activations in the "
+                             "backward pass)")
+            fix = _alternatives(fixes + [sharding])
+    if held is None:
+        holds = f"Each device holds {held_name} and {rest}."
+    else:
+        of = f" of the device's {_gib(limit)}" if limit else ""
+        holds = f"Per device {held_name} {verb} {_gib(held)}{of}; the rest holds {rest}."
+    return (f"{'evaluation' if evaluating else 'training'} ran out of memory ({xla}). {holds} "
+            f"To fit it: {fix}.")
 
 
-def bytes_per_device(abstract: Any) -> int:
+def _examples(n: int) -> str:
+    return f"{n} example{'' if n == 1 else 's'}"
+
+
+def _alternatives(options: list[str]) -> str:
+    """'a', 'a or b', 'a, b, or c'."""
+    if len(options) <= 2:
+        return " or ".join(options)
+    return ", ".join(options[:-1]) + ", or " + options[-1]
+
+
+def bytes_per_device(abstract: Any) -> int | None:
     """Bytes of ``abstract``'s (ShapeDtypeStructs with shardings) shards on this process's first
-    device."""
+    device; None when a leaf's cannot be told (an extended dtype, an uneven sharding)."""
     device = jax.local_devices()[0]
     total = 0
-    for leaf in jax.tree.leaves(abstract):
-        size = math.prod(leaf.shape)
-        if leaf.sharding is not None:
-            index = leaf.sharding.devices_indices_map(leaf.shape)[device]
-            size = math.prod(len(range(n)[i]) for i, n in zip(index, leaf.shape))
-        total += size * np.dtype(leaf.dtype).itemsize
+    try:
+        for leaf in jax.tree.leaves(abstract):
+            size = math.prod(leaf.shape)
+            if leaf.sharding is not None:
+                index = leaf.sharding.devices_indices_map(leaf.shape)[device]
+                size = math.prod(len(range(n)[i]) for i, n in zip(index, leaf.shape))
+            total += size * np.dtype(leaf.dtype).itemsize
+    except (TypeError, ValueError, KeyError):
+        return None
     return total
 
 
@@ -1136,7 +1174,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
                 result = run_evaluation(run, state.params, eval_step, iter(test),
-                                        test_batches)
+                                        test_batches, holds_state=True)
                 writer.write(step, "eval", result)
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
@@ -1153,7 +1191,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
         checkpointer.wait()
         result = read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
-            result = run_evaluation(run, state.params, eval_step, iter(test), test_batches)
+            result = run_evaluation(run, state.params, eval_step, iter(test), test_batches,
+                                    holds_state=True)
         writer.write_once(step, "eval", result)
     writer.close()
     path = write_eval(run, step, result)

@@ -13,14 +13,14 @@ naming the processes and keys that differ from process 0's.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import uuid
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-
-from posjax.training import workdir_lock
 
 SHOWN = 8   # differences named in one error
 
@@ -68,25 +68,41 @@ def _absent(value: Any) -> str:
     return "<absent>" if value is None else repr(value)
 
 
-def check_shared_workdir(workdir: pathlib.Path, name: str = workdir_lock.LOCK_FILE) -> None:
+def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None:
     """Every process must read the file ``name`` in ``workdir`` as process 0 does (absent
     included): else the workdir is a directory on each host's own disk (or another path), and
     a checkpoint, each process writing or reading its own shards, is whole on none of them.
-    Training checks the lock record process 0 has just written and holds
-    (``workdir_lock.LOCK_FILE``); evaluation the run's config."""
-    # Process 0's view, once written (the gather waits for it), then whether each shares it.
-    seen = gather(_read(workdir / name) if jax.process_index() == 0 else None)[0]
-    shares = gather(_read(workdir / name) == seen)
+    Evaluation checks the run's config. Training (``name`` None) checks a probe that process 0
+    writes under a new random name and removes after: no host can have that name cached as
+    absent (NFS keeps a lookup that found nothing for up to a minute, e.g. of ``train.lock``
+    after the last run removed it)."""
+    probe = name is None
+    if probe and jax.process_index() == 0:
+        name = f".shared-workdir-check-{uuid.uuid4().hex}"
+        with open(workdir / name, "x") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())   # on the server before the others read it
+    try:
+        # Process 0's name and view, once written (the gather waits for it); then whether
+        # each process shares that view.
+        first = [name, _read(workdir / name)] if jax.process_index() == 0 else None
+        name, seen = gather(first)[0]
+        shares = gather(_read(workdir / name) == seen)
+    finally:
+        if probe and jax.process_index() == 0:
+            (workdir / name).unlink(missing_ok=True)
     missing = [i for i, shared in enumerate(shares) if not shared]
     if missing:
         several = len(missing) > 1
+        what = "a file that process 0 wrote" if probe else f"the {name} that process 0 sees"
         raise ValueError(
             f"workdir {str(workdir)!r} is not one directory shared by every process: "
             f"process{'es' if several else ''} {', '.join(map(str, missing))} "
-            f"{'do' if several else 'does'} not see the {name} that process 0 sees there (a "
-            "path on each host's own disk, or another --workdir?). Give every process the same "
-            "--workdir, on a file system that every host mounts (NFS, Filestore): each process "
-            "writes and reads its own part of every checkpoint there")
+            f"{'do' if several else 'does'} not see {what} there (a path on each host's own "
+            "disk, or another --workdir?). Give every process the same --workdir, on a file "
+            "system that every host mounts (NFS, Filestore): each process writes and reads its "
+            "own part of every checkpoint there")
 
 
 def _read(path: pathlib.Path) -> str | None:

@@ -99,12 +99,9 @@ def exclusive(workdir: pathlib.Path, enabled: bool = True) -> Iterator[None]:
         if locks == [None, None]:   # a filesystem without flock
             logging.warning("workdir %s: cannot lock it; make sure no other run trains in "
                             "this workdir", workdir)
-        # In place (the lock is on this file), and synced: the other processes of the run read
-        # it to check that they share the workdir (``processes.check_shared_workdir``).
-        os.ftruncate(record_fd, 0)
-        os.pwrite(record_fd, (_holder() + "\n").encode(), 0)
-        with contextlib.suppress(OSError):   # a file system that cannot: nothing lost
-            os.fsync(record_fd)
+        else:
+            os.ftruncate(record_fd, 0)   # in place: the lock is on this file
+            os.pwrite(record_fd, (_holder() + "\n").encode(), 0)
         try:
             yield
         finally:
