@@ -679,3 +679,38 @@ def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, 
                                          r"takes [0-9.e-]+ GiB; the rest holds one eval batch's"):
         loop.train(config, tmp_path)
     assert loop.saved_steps(tmp_path) == [2]
+
+
+def test_eval_holds_only_the_parameters_on_the_devices(runs, monkeypatch):
+    """eval.py frees the restored optimizer state before it evaluates (as its out-of-memory
+    message says): the arrays alive at the first eval step add the parameters and a batch to
+    those before, not the optimizer state."""
+    config, straight, _, _ = runs
+
+    def live_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    during = []
+
+    def measuring(make_step):
+        def make(*args, **kwargs):
+            step = make_step(*args, **kwargs)
+
+            def run(*a):
+                if not during:
+                    during.append(live_bytes())
+                return step(*a)
+            return run
+        return make
+    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
+                        measuring(loop.steps_lib.make_eval_step))
+    run = loop.prepare(config, straight, training=False)
+    params = sum(math.prod(x.shape) * x.dtype.itemsize
+                 for x in jax.tree.leaves(run.abstract.params))
+    opt = sum(math.prod(x.shape) * x.dtype.itemsize
+              for x in jax.tree.leaves(run.abstract.opt_state))
+    gc.collect()
+    before = live_bytes()
+    loop.evaluate(config, straight)
+    assert opt >= 2 * params   # AdamW's two moments
+    assert during[0] - before < params + opt / 2, (during[0] - before, params, opt)

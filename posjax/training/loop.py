@@ -949,7 +949,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     pipe = run.make_eval_pipeline()     # data errors before the restore
     check_same_splits({"test": pipe})
     state, step = _restore_for_eval(run, step, latest)
-    return _evaluate_and_write(run, state.params, step, pipe)
+    params = state.params
+    del state   # the optimizer state's buffers are freed: the devices hold only the params
+    return _evaluate_and_write(run, params, step, pipe)
 
 
 def _evaluate_init_from(run: Run) -> dict[str, float]:
@@ -963,7 +965,9 @@ def _evaluate_init_from(run: Run) -> dict[str, float]:
                                      run.task.patch_grid)
     if run.is_main:
         (run.workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    return _evaluate_and_write(run, state.params, 0, pipe)
+    params = state.params
+    del state   # as in evaluate
+    return _evaluate_and_write(run, params, 0, pipe)
 
 
 def _evaluate_and_write(run: Run, params: Any, step: int, pipe: Any) -> dict[str, float]:
