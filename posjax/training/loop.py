@@ -55,6 +55,7 @@ from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
 from posjax.training import optim
 from posjax.training import processes
+from posjax.training import profiler
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir_lock
@@ -72,7 +73,8 @@ T = TypeVar("T")
 # relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
-                    "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather")
+                    "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather",
+                    "profile")
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data. Every other key defines the model or its saved state.
 EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "microbatches", "data.path",
@@ -106,6 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
                       "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.9, "nesterov": False,
                       "grad_clip_norm": 0.0},
         "checkpoint": {"every_steps": 500, "keep": 3, "async_save": True},
+        "profile": {"first_step": 2, "num_steps": 0},   # device trace of steps (profiler.py)
         "distributed": {"enabled": False, "coordinator_address": "", "num_processes": 0,
                         "process_id": -1},
         "model": {},
@@ -226,6 +229,7 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
     _check(0 <= config.peak_flops < math.inf, f"peak_flops={config.peak_flops!r} is not valid: "
            "must be a finite number >= 0 (0 = default)")
     optim.validate(config.optimizer, config.num_steps)
+    profiler.validate(config.profile, config.num_steps)
 
 
 def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
@@ -1156,9 +1160,17 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
             _stop_if_diverged(step, accumulator, state, checkpointer, writer)
         checkpointer.save(step, state, iterator, force=force)
 
-    with run.context():
+    profile = profiler.StepProfile(config.profile, run.workdir, start, run.is_main)
+
+    def end_profile() -> None:   # a run that ends or stops within the traced steps
+        if (line := profile.close(state)) is not None:
+            _print(run, line)
+
+    with run.context(), contextlib.ExitStack() as stack:
+        stack.callback(end_profile)
         while step < num_steps:
             batch = global_batch(next(iterator), run.mesh)
+            profile.before(step + 1)
             state, step_metrics = train_step(state, batch, key)
             step += 1
             accumulator.add(step_metrics)
@@ -1174,6 +1186,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _log_train(run, step, accumulator, progress, writer, step_flops, peak)
                 if not finite:
                     _diverged(step, "the loss or gradient norm", checkpointer, writer)
+            if (line := profile.after(step, state)) is not None:
+                _print(run, line)
             save()   # before a periodic eval: a stop during the eval then loses nothing
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
