@@ -714,3 +714,23 @@ def test_eval_holds_only_the_parameters_on_the_devices(runs, monkeypatch):
     loop.evaluate(config, straight)
     assert opt >= 2 * params   # AdamW's two moments
     assert during[0] - before < params + opt / 2, (during[0] - before, params, opt)
+
+
+def test_train_records_the_share_of_time_spent_waiting_for_input(runs, tmp_path, monkeypatch):
+    """``input_wait_share`` (seconds spent getting the next global batch per second of the log
+    interval): in [0, 1] on every log after the first; most of the time when each batch takes
+    0.5 s to arrive (a step and its log, here: 0.1–0.3 s), and more than in the run without."""
+    _, straight, _, _ = runs
+    shares = [r["input_wait_share"] for r in _records(straight)
+              if r["split"] == "train" and "steps_per_s" in r]
+    assert len(shares) == 5 and all(0 <= s <= 1 for s in shares), shares
+    global_batch = loop.global_batch
+
+    def slow_global_batch(*args):
+        time.sleep(0.5)
+        return global_batch(*args)
+    monkeypatch.setattr(loop, "global_batch", slow_global_batch)
+    loop.train(syn.tiny_config(num_steps=5), tmp_path)
+    slow = [r["input_wait_share"] for r in _records(tmp_path)
+            if r["split"] == "train" and "steps_per_s" in r]
+    assert len(slow) == 4 and min(slow) > max(0.5, *shares), (slow, shares)

@@ -1169,7 +1169,9 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     with run.context(), contextlib.ExitStack() as stack:
         stack.callback(end_profile)
         while step < num_steps:
+            asked = time.perf_counter()
             batch = global_batch(next(iterator), run.mesh)
+            progress.input_wait += time.perf_counter() - asked
             profile.before(step + 1)
             state, step_metrics = train_step(state, batch, key)
             step += 1
@@ -1259,7 +1261,7 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
                progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
                step_flops: float, peak: metrics_lib.PeakFlops) -> None:
     scalars = accumulator.result()
-    steps_per_s, _ = progress.rate(step)
+    steps_per_s, elapsed, input_wait = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size
     scalars["lr"] = float(run.schedule(step - 1))
     if np.isfinite(steps_per_s):   # not on the first log after (re)compilation
@@ -1267,6 +1269,8 @@ def _log_train(run: Run, step: int, accumulator: metrics_lib.MetricAccumulator,
             "steps_per_s": steps_per_s,
             "examples_per_s": examples_per_s,
             "mfu": peak.mfu(step_flops * steps_per_s / jax.device_count()),
+            # Near 1: the input pipeline, not the devices, sets the step rate.
+            "input_wait_share": min(input_wait / elapsed, 1.0),
         })
     writer.write(step, "train", scalars)
     _print(run, progress.line(step, scalars, steps_per_s))

@@ -265,25 +265,29 @@ def _read_records(path: pathlib.Path) -> tuple[list[str], list[dict[str, Any] | 
 
 
 class Progress:
-    """Console line per log interval: step, metrics, throughput and ETA."""
+    """Console line per log interval: step, metrics, throughput and ETA. ``input_wait``: the
+    seconds the loop has waited for its next batch since the last mark (the loop adds them)."""
 
     def __init__(self, num_steps: int, start_step: int):
         self.num_steps = num_steps
         self.mark_step = start_step
         self.mark_time = time.perf_counter()
+        self.input_wait = 0.0
 
     def restart(self, step: int) -> None:
         """Start timing from ``step`` (called after compilation so it is not counted)."""
-        self.mark_step, self.mark_time = step, time.perf_counter()
+        self.mark_step, self.mark_time, self.input_wait = step, time.perf_counter(), 0.0
 
-    def rate(self, step: int) -> tuple[float, float]:
-        """(steps/s since the last mark, seconds elapsed); moves the mark to ``step``."""
+    def rate(self, step: int) -> tuple[float, float, float]:
+        """(steps/s since the last mark, seconds elapsed, seconds of them waited for input);
+        moves the mark to ``step``."""
         now = time.perf_counter()
         elapsed = now - self.mark_time
         steps = step - self.mark_step
         rate = steps / elapsed if steps > 0 and elapsed > 0 else float("nan")
-        self.mark_step, self.mark_time = step, now
-        return rate, elapsed
+        waited = self.input_wait
+        self.mark_step, self.mark_time, self.input_wait = step, now, 0.0
+        return rate, elapsed, waited
 
     def line(self, step: int, scalars: Mapping[str, float], steps_per_s: float) -> str:
         left = self.num_steps - step
