@@ -16,22 +16,22 @@ def _traces(workdir) -> list:
     return sorted((workdir / "tensorboard" / "plugins" / "profile").glob("*/*.trace.json.gz"))
 
 
-def _traced_step_calls(trace) -> int:
-    """Executions of the compiled train step in a trace (XLA:CPU's PjRt names them so)."""
+def _traced_step_calls(trace, step: str = "train_step") -> int:
+    """Executions of the compiled ``step`` in a trace (XLA:CPU's PjRt names them so)."""
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     return sum(1 for e in events
-               if e.get("name") == "CommonPjRtLoadedExecutable::Execute (jit_train_step)")
+               if e.get("name") == f"CommonPjRtLoadedExecutable::Execute (jit_{step})")
 
 
 def test_the_chosen_steps_are_traced_into_the_tensorboard_folder(tmp_path, capsys):
-    config = syn.tiny_config(**{"profile.first_step": 3, "profile.num_steps": 2})
-    loop.train(config, tmp_path)
+    config = syn.tiny_config(**{"profile.first_step": 5, "profile.num_steps": 2})
+    loop.train(config, tmp_path)   # steps 5 and 6, not the final evaluation after them
     [trace] = _traces(tmp_path)
-    assert _traced_step_calls(trace) == 2
+    assert _traced_step_calls(trace) == 2 and _traced_step_calls(trace, "eval_step") == 0
     out = capsys.readouterr().out
-    line = (f"profile of steps 3-4 written to {tmp_path / 'tensorboard' / 'plugins' / 'profile'} "
+    line = (f"profile of steps 5-6 written to {tmp_path / 'tensorboard' / 'plugins' / 'profile'} "
             "(TensorBoard's Profile tab; its *.trace.json.gz opens in Perfetto)")
-    assert out.index("step 4/6 ") < out.index(line) < out.index("step 5/6 ")
+    assert out.index("step 6/6 ") < out.index(line) < out.index("final eval at step 6")
 
 
 def test_a_run_stopped_within_the_traced_steps_writes_what_it_traced(tmp_path, capsys):
@@ -52,14 +52,34 @@ def test_a_resumed_run_past_the_first_traced_step_says_it_traces_nothing(tmp_pat
     assert _traces(tmp_path) == []
 
 
+def test_a_trace_that_cannot_be_written_is_a_warning_and_training_goes_on(tmp_path, caplog):
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "plugins").write_text("a file where the profile would go")
+    config = syn.tiny_config(**{"profile.first_step": 2, "profile.num_steps": 1})
+    with caplog.at_level(logging.WARNING):
+        result = loop.train(config, tmp_path)
+    assert result.step == config.num_steps and not result.preempted
+    assert f"profile: the trace of steps 2-2 could not be written in {tmp_path / 'tensorboard'}" \
+        in caplog.text
+
+
 @pytest.mark.parametrize("overrides, match", [
     ({"profile.num_steps": -1}, r"profile.num_steps=-1 is not valid: must be an integer >= 0"),
+    ({"profile.num_steps": True}, r"profile.num_steps=True is not valid"),
     ({"profile.num_steps": 2, "profile.first_step": 0},
-     r"profile.first_step=0 is not valid: must be a step of the run, 1 … num_steps=6"),
-    ({"profile.num_steps": 2, "profile.first_step": 7}, r"profile.first_step=7 is not valid"),
+     r"profile.first_step=0 is not valid with profile.num_steps=2: the traced steps must be "
+     r"steps of the run, 1 … num_steps=6"),
+    ({"profile.num_steps": 3, "profile.first_step": 5}, r"profile.first_step=5 is not valid"),
 ])
 def test_a_profile_outside_the_run_is_one_error_before_anything_is_written(
         tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         loop.train(syn.tiny_config(**overrides), tmp_path / "w")
     assert not (tmp_path / "w").exists()
+
+
+def test_a_misspelt_profile_key_is_refused(tmp_path):
+    config = syn.tiny_config()
+    config.profile.num_step = 3
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'profile.num_step'"):
+        loop.train(config, tmp_path / "w")

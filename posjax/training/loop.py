@@ -198,11 +198,12 @@ def _check(ok: bool, message: str) -> None:
 
 
 def check_known_keys(config: ml_collections.ConfigDict) -> None:
-    """Every key (top level, optimizer, checkpoint, distributed) must be one default_config
-    defines: a misspelt key in a config file would otherwise be ignored silently."""
+    """Every key (top level, optimizer, checkpoint, profile, distributed) must be one
+    default_config defines: a misspelt key in a config file would otherwise be ignored
+    silently."""
     defaults = default_config()
     problems = [f"{k!r}" for k in sorted(set(config) - set(defaults))]
-    for group in ("optimizer", "checkpoint", "distributed"):
+    for group in ("optimizer", "checkpoint", "profile", "distributed"):
         if group in config:
             extra = sorted(set(config[group]) - set(defaults[group]))
             problems += [f"'{group}.{k}'" for k in extra]
@@ -1162,12 +1163,13 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
 
     profile = profiler.StepProfile(config.profile, run.workdir, start, run.is_main)
 
-    def end_profile() -> None:   # a run that ends or stops within the traced steps
+    def end_profile() -> None:
         if (line := profile.close(state)) is not None:
             _print(run, line)
+            progress.restart(step)   # writing the trace is no step time
 
     with run.context(), contextlib.ExitStack() as stack:
-        stack.callback(end_profile)
+        stack.callback(end_profile)   # a run that fails within the traced steps
         while step < num_steps:
             asked = time.perf_counter()
             batch = global_batch(next(iterator), run.mesh)
@@ -1188,8 +1190,8 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 _log_train(run, step, accumulator, progress, writer, step_flops, peak)
                 if not finite:
                     _diverged(step, "the loss or gradient norm", checkpointer, writer)
-            if (line := profile.after(step, state)) is not None:
-                _print(run, line)
+            if profile.last_step(step):
+                end_profile()
             save()   # before a periodic eval: a stop during the eval then loses nothing
             if config.eval_every_steps and step % config.eval_every_steps == 0 \
                     and step != num_steps:
@@ -1198,6 +1200,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
                 writer.write(step, "eval", result)
                 _print(run, f"eval at step {step}: {_format(result)}")
             if checkpointer.reached_preemption(step) or step == stop_after:
+                end_profile()   # stopped within the traced steps: not its save
                 if checkpointer.latest_step() != step:
                     save(force=True)
                 checkpointer.wait()
