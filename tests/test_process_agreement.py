@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import shutil
 import types
 
 import pytest
@@ -137,3 +138,31 @@ def test_a_workdir_every_process_sees_passes(tmp_path: pathlib.Path, monkeypatch
     assert names[0][0] != names[2][0]   # a new probe name each time
     processes.check_shared_workdir(tmp_path, "config.json")   # absent for every process
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_host_with_other_software_is_one_error_naming_it(monkeypatch):
+    def change(versions):
+        versions["jax"] = "0.0.1"
+        versions["posjax source"] = "0" * 16   # another checkout
+    _second_process(monkeypatch, change)
+    with pytest.raises(ValueError) as raised:
+        processes.check_same_software()
+    ours = processes.software_versions()
+    assert str(raised.value) == (
+        "the processes run different software:\n"
+        f"  process 1: jax 0.0.1 (process 0: {ours['jax']})\n"
+        f"  process 1: posjax source 0000000000000000 (process 0: {ours['posjax source']})\n"
+        "Install the same packages and the same posjax on every host.")
+
+
+def test_the_source_digest_follows_posjax_s_files(tmp_path, monkeypatch):
+    """The digest covers every posjax .py file, so an edited file (a stale checkout) shows."""
+    import posjax
+    copy = tmp_path / "posjax"
+    shutil.copytree(pathlib.Path(posjax.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    here = processes.software_versions()["posjax source"]
+    monkeypatch.setattr(processes, "__file__", str(copy / "training" / "processes.py"))
+    assert processes.software_versions()["posjax source"] == here
+    (copy / "layers" / "attention.py").write_text("# edited\n", encoding="utf-8")
+    assert processes.software_versions()["posjax source"] != here

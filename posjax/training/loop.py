@@ -614,6 +614,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             training: bool) -> Run:
     """Validate everything and build the run's objects (abstract only: nothing compiled)."""
     workdir = local_path(workdir, "--workdir")
+    processes.check_same_software()
     check_same_config(config)   # first: else one process may fail alone on its own config
     task = make_task(config)
     validate_training_config(config)

@@ -12,9 +12,12 @@ naming the processes and keys that differ from process 0's.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
+import platform
 import uuid
 from typing import Any, Callable
 
@@ -66,6 +69,37 @@ def _show_value(key: str, value: Any, first: Any) -> str:
 
 def _absent(value: Any) -> str:
     return "<absent>" if value is None else repr(value)
+
+
+# The distributions whose versions every process must share, besides Python and posjax's own
+# source (a host with another checkout).
+SOFTWARE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
+
+
+def software_versions() -> dict[str, str | None]:
+    """{distribution: version (None: not installed)} of ``SOFTWARE``, Python's version, and a
+    digest of posjax's source files (their paths and contents)."""
+    versions: dict[str, str | None] = {}
+    for name in SOFTWARE:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    versions["posjax source"] = digest.hexdigest()[:16]
+    return versions
+
+
+def check_same_software() -> None:
+    """Every process must run what process 0 runs (``software_versions``): another jax or
+    posjax on one host traces another program around the one global state."""
+    check_agree(software_versions(), "run different software",
+                "Install the same packages and the same posjax on every host.",
+                lambda name, version, first: f"{name} {version} (process 0: {first})")
 
 
 def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None:
