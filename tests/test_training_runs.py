@@ -681,11 +681,15 @@ def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, 
     assert loop.saved_steps(tmp_path) == [2]
 
 
-def test_eval_holds_only_the_parameters_on_the_devices(runs, monkeypatch):
-    """eval.py frees the restored optimizer state before it evaluates (as its out-of-memory
-    message says): the arrays alive at the first eval step add the parameters and a batch to
-    those before, not the optimizer state."""
+@pytest.mark.parametrize("source", ["checkpoint", "init_from"])
+def test_eval_holds_only_the_parameters_on_the_devices(runs, tmp_path, monkeypatch, source):
+    """eval.py frees the optimizer state it restored (or initialised beside init_from's
+    weights) before it evaluates, as its out-of-memory message says: the arrays alive at the
+    first eval step add the parameters and a batch to those before, not the optimizer state."""
     config, straight, _, _ = runs
+    workdir = straight
+    if source == "init_from":
+        config, workdir = syn.tiny_config(init_from=str(straight)), tmp_path / "eval"
 
     def live_bytes() -> int:
         return sum(a.nbytes for a in jax.live_arrays())
@@ -704,14 +708,14 @@ def test_eval_holds_only_the_parameters_on_the_devices(runs, monkeypatch):
         return make
     monkeypatch.setattr(loop.steps_lib, "make_eval_step",
                         measuring(loop.steps_lib.make_eval_step))
-    run = loop.prepare(config, straight, training=False)
+    run = loop.prepare(config, workdir, training=False)
     params = sum(math.prod(x.shape) * x.dtype.itemsize
                  for x in jax.tree.leaves(run.abstract.params))
     opt = sum(math.prod(x.shape) * x.dtype.itemsize
               for x in jax.tree.leaves(run.abstract.opt_state))
     gc.collect()
     before = live_bytes()
-    loop.evaluate(config, straight)
+    loop.evaluate(config, workdir)
     assert opt >= 2 * params   # AdamW's two moments
     assert during[0] - before < params + opt / 2, (during[0] - before, params, opt)
 
