@@ -598,7 +598,7 @@ def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoin
     message = str(raised.value)
     assert re.fullmatch(
         r"training ran out of memory \(Out of memory allocating 1125899906842624 bytes\.\)\. "
-        r"Per device the train state \(parameters and optimizer state\) takes [0-9.e-]+ GiB; "
+        r"Per device the train state \(parameters and optimizer state\) takes [0-9.]+ [KMG]?i?B; "
         r"the rest holds the gradients and one pass's activations \(2 examples per device\)\. "
         r"To fit it: lower batch_size \(now 16\) or raise microbatches \(now 1: each step "
         r"then runs in that many passes over parts of the batch, with the same gradients\), "
@@ -635,10 +635,10 @@ def test_out_of_memory_advice_follows_the_state_and_the_batch(tmp_path, monkeypa
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.abstract))   # fsdp splits some
     monkeypatch.setattr(loop, "device_memory_limit", lambda: state + params)
     message = loop.out_of_memory_message(run, "Out of memory", False, True)
-    gib = f"{(state + params) / 2**30:.3g} GiB"
-    assert f"takes {state / 2**30:.3g} GiB of the device's {gib}" in message
+    size = loop.byte_size(state + params)
+    assert f"takes {loop.byte_size(state)} of the device's {size}" in message
     assert message.endswith(f"To fit it: with the gradients it (nearly) fills each device "
-                            f"({gib}) whatever the batch: shard the state over more devices "
+                            f"({size}) whatever the batch: shard the state over more devices "
                             "(mesh.fsdp, now 2; mesh.tensor, now 1), or train a smaller model.")
     monkeypatch.setattr(loop, "device_memory_limit", lambda: 100 * state)
     message = loop.out_of_memory_message(run, "Out of memory", False, True)
@@ -651,8 +651,7 @@ def test_out_of_memory_advice_follows_the_state_and_the_batch(tmp_path, monkeypa
     assert message.endswith("(1 example per device). To fit it: shard the state over more "
                             "devices (mesh.fsdp, now 2; mesh.tensor, now 1).")
     message = loop.out_of_memory_message(run, "Out of memory", True, False)
-    assert f"Per device the parameters take {params / 2**30:.3g} GiB of the device's " \
-        in message
+    assert f"Per device the parameters take {loop.byte_size(params)} of the device's " in message
 
 
 def test_an_eval_out_of_memory_names_eval_batch_size(runs, monkeypatch):
@@ -661,7 +660,7 @@ def test_an_eval_out_of_memory_names_eval_batch_size(runs, monkeypatch):
                         _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
     with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(Out of memory "
                                          r"allocating 1125899906842624 bytes\.\)\. Per device "
-                                         r"the parameters take [0-9.e-]+ GiB; the rest holds "
+                                         r"the parameters take [0-9.]+ [KMG]?i?B; the rest holds "
                                          r"one eval batch's activations \(2 examples per "
                                          r"device\)\. To fit it: lower eval_batch_size \(now "
                                          r"0; 0: batch_size, 16\) or shard the parameters"):
@@ -676,7 +675,7 @@ def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, 
                         _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
     with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(.*\)\. Per device "
                                          r"the train state \(parameters and optimizer state\) "
-                                         r"takes [0-9.e-]+ GiB; the rest holds one eval batch's"):
+                                         r"takes [0-9.]+ [KMG]?i?B; the rest holds one eval batch's"):
         loop.train(config, tmp_path)
     assert loop.saved_steps(tmp_path) == [2]
 
@@ -738,3 +737,19 @@ def test_train_records_the_share_of_time_spent_waiting_for_input(runs, tmp_path,
     slow = [r["input_wait_share"] for r in _records(tmp_path)
             if r["split"] == "train" and "steps_per_s" in r]
     assert len(slow) == 4 and min(slow) > max(0.5, *shares), (slow, shares)
+
+
+def test_train_prints_the_parameter_count_and_the_state_per_device(tmp_path, monkeypatch):
+    config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2})
+    run = loop.prepare(config, tmp_path, training=True)
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(run.abstract.params))
+    held = loop.bytes_per_device(run.abstract)
+    assert loop.state_size_line(run) == \
+        f"{count:,} parameters; the train state takes {held / 2**10:.3g} KiB per device"
+    monkeypatch.setattr(loop, "device_memory_limit", lambda: 2**34)
+    assert loop.state_size_line(run).endswith(" per device (of the device's 16 GiB)")
+
+
+def test_byte_sizes_in_words():
+    assert [loop.byte_size(n) for n in (512, 3584, 5 * 2**20, 1.03 * 2**30, 80 * 2**30)] == \
+        ["512 B", "3.5 KiB", "5 MiB", "1.03 GiB", "80 GiB"]

@@ -779,7 +779,7 @@ def out_of_memory_message(run: Run, xla: str, evaluating: bool, holds_state: boo
         # The state, the gradients (and their sum over microbatches) whatever the batch.
         fixed = None if held is None or params is None else held + params * (1 + (m > 1))
         if limit and fixed is not None and fixed >= 0.9 * limit:
-            fix = (f"with the gradients it (nearly) fills each device ({_gib(fixed)}) whatever "
+            fix = (f"with the gradients it (nearly) fills each device ({byte_size(fixed)}) whatever "
                    f"the batch: {sharding}, or train a smaller model")
         else:
             fixes = [f"lower batch_size (now {config.batch_size}) or raise microbatches (now "
@@ -792,10 +792,23 @@ def out_of_memory_message(run: Run, xla: str, evaluating: bool, holds_state: boo
     if held is None:
         holds = f"Each device holds {held_name} and {rest}."
     else:
-        of = f" of the device's {_gib(limit)}" if limit else ""
-        holds = f"Per device {held_name} {verb} {_gib(held)}{of}; the rest holds {rest}."
+        of = f" of the device's {byte_size(limit)}" if limit else ""
+        holds = f"Per device {held_name} {verb} {byte_size(held)}{of}; the rest holds {rest}."
     return (f"{'evaluation' if evaluating else 'training'} ran out of memory ({xla}). {holds} "
             f"To fit it: {fix}.")
+
+
+def state_size_line(run: Run) -> str:
+    """'N parameters; the train state takes X GiB per device (of the device's Y GiB)'."""
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(run.abstract.params))
+    held = bytes_per_device(run.abstract)
+    limit = device_memory_limit()
+    line = f"{count:,} parameters"
+    if held is not None:
+        line += f"; the train state takes {byte_size(held)} per device"
+        if limit:
+            line += f" (of the device's {byte_size(limit)})"
+    return line
 
 
 def _examples(n: int) -> str:
@@ -833,8 +846,12 @@ def device_memory_limit() -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3g} GiB"
+def byte_size(n: float) -> str:
+    """``n`` bytes in words: '512 B', '3.5 KiB', '1.03 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _short_text(text: str, limit: int) -> str:
@@ -1150,6 +1167,7 @@ def _train(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
     peak = metrics_lib.peak_flops_per_device(config.peak_flops)
     _print(run, f"{step_flops:.4g} train FLOPs/step; MFU against {peak.value:.4g} FLOP/s per "
                 f"device ({peak.source}) x {jax.device_count()} devices")
+    _print(run, state_size_line(run))
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
     preempted = False
     step = start
