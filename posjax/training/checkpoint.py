@@ -153,7 +153,7 @@ class _OrbaxErrorsOnOneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and "/orbax/" in record.pathname:
-            record.msg, record.args = _short(record.getMessage()), ()
+            record.msg, record.args = short_error(record.getMessage()), ()
             record.exc_info = record.exc_text = record.stack_info = None
         return True
 
@@ -370,17 +370,18 @@ def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str
 
 def _root_cause(error: BaseException) -> str:
     """The innermost exception in ``error``'s chain: its type and the first line of its
-    message (``error_summary``, shortened by ``_short``)."""
+    message (``error_summary``, shortened by ``short_error``)."""
     while True:
         inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
         if inner is None:
             break
         error = inner
-    return _short(error_summary(error))
+    return short_error(error_summary(error))
 
 
-def _short(text: str) -> str:
-    """The first line of ``text`` without TensorStore's spec dump, at most 500 characters."""
+def short_error(text: str) -> str:
+    """The first line of an error's ``text`` without TensorStore's spec dump, at most 500
+    characters."""
     line = (text.strip().splitlines() or [""])[0]
     line = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*$", "", line)
     return line if len(line) <= 500 else line[:497] + "..."

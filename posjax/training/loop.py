@@ -746,12 +746,11 @@ def memory_advice(run: Run, evaluating: bool = False, holds_state: bool = True
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
-        text = str(e).strip()
-        first = text.split("\n", 1)[0]
+        first = ckpt_lib.short_error(str(e))
         if "RESOURCE_EXHAUSTED" not in first:
             raise
-        logging.error("%s", text)
-        xla = _short_text(first.replace("RESOURCE_EXHAUSTED: ", ""), 300)
+        logging.error("%s", str(e).strip())
+        xla = first.replace("RESOURCE_EXHAUSTED: ", "")
         raise ValueError(out_of_memory_message(run, xla, evaluating, holds_state)) from None
 
 
@@ -852,10 +851,6 @@ def byte_size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-def _short_text(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 EVAL_PROGRESS_S = 10.0   # run_evaluation's progress lines: at most one per this many seconds
