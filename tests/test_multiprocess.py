@@ -250,6 +250,21 @@ def test_eval_refuses_a_workdir_the_processes_do_not_share(runs, tmp_path):
             "there" in out, out[-3000:]
 
 
+def test_eval_processes_agree_on_init_from_weights_and_evaluate_them(runs, tmp_path):
+    """eval.py, 2 processes, on the finished 2-process run's weights as init_from in a fresh
+    workdir: both read the same checkpoint (fingerprints agree) and give the run's own final
+    eval, as step 0."""
+    _, multi, _, _, _ = runs
+    trained = json.loads(loop.eval_file(multi, NUM_STEPS, "test").read_text())
+    results = launch(tmp_path / "eval", tmp_path, "eval_init_from",
+                     config=f"configs/saved.py:{multi}", script="eval.py",
+                     overrides={"peak_flops": 1e12, "init_from": str(multi)})
+    for output, code in results:
+        assert code == 0, output[-3000:]
+    evaluated = json.loads(loop.eval_file(tmp_path / "eval", 0, "test").read_text())
+    assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
+
+
 def test_a_failure_in_one_process_ends_both_promptly(tmp_path):
     """Process 1 alone fails (its --workdir cannot be created): it prints the error and ends at
     once, without JAX's shutdown barrier (which would hold it for minutes); process 0, waiting

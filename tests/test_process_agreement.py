@@ -166,3 +166,34 @@ def test_the_source_digest_follows_posjax_s_files(tmp_path, monkeypatch):
     assert processes.software_versions()["posjax source"] == here
     (copy / "layers" / "attention.py").write_text("# edited\n", encoding="utf-8")
     assert processes.software_versions()["posjax source"] != here
+
+
+def test_a_host_with_other_init_from_weights_is_one_error(tmp_path, monkeypatch):
+    """The fingerprint of a converter-style folder: equal for a copy, different for another
+    checkpoint (other file names or sizes) or none; a difference between processes is one
+    error naming init_from."""
+    from posjax.training import state as state_lib
+    source = tmp_path / "ckpt"
+    (source / "params" / "d").mkdir(parents=True)
+    (source / "params" / "d" / "a1b2").write_bytes(b"x" * 100)
+    (source / "params" / "_METADATA").write_text("{}")
+    (source / "model_config.json").write_text('{"hidden_size": 16}')
+    fingerprint = state_lib.init_from_fingerprint(source)
+    shutil.copytree(source, tmp_path / "copy")
+    assert state_lib.init_from_fingerprint(tmp_path / "copy") == fingerprint
+    (tmp_path / "copy" / "model_config.json").write_text('{"hidden_size": 32}')
+    assert state_lib.init_from_fingerprint(tmp_path / "copy") != fingerprint
+    shutil.copytree(source, tmp_path / "other")
+    data = tmp_path / "other" / "params" / "d"
+    (data / "a1b2").rename(data / "c3")   # another save: its files are named afresh
+    assert state_lib.init_from_fingerprint(tmp_path / "other") != fingerprint
+    assert state_lib.init_from_fingerprint(tmp_path / "missing") is None
+
+    def change(value):
+        value["init_from"] = None   # process 1 has no checkpoint under that path
+    _second_process(monkeypatch, change)
+    with pytest.raises(ValueError) as raised:
+        loop.check_same_init_from(str(source))
+    assert str(raised.value).startswith(
+        f"the processes read different data:\n  process 1: init_from={str(source)!r} holds "
+        "other weights than process 0's (none there)\nGive every host the same copy")

@@ -686,6 +686,18 @@ def check_same_splits(pipelines: dict[str, Any]) -> None:
         lambda split, n, first: f"its data.{split}_split has {n} examples (process 0: {first})")
 
 
+def check_same_init_from(path: str) -> None:
+    """Every process must read the same weights from ``init_from`` (``path``) as process 0
+    (``state.init_from_fingerprint``): a host with its own copy of another checkpoint under
+    that path would load other parameters into its shards of the one model."""
+    processes.check_agree(
+        {"init_from": state_lib.init_from_fingerprint(path)}, "read different data",
+        "Give every host the same copy of the weights (or keep them on a file system every "
+        "host mounts), and start from a run's checkpoints only once it has stopped saving.",
+        lambda key, mine, first: f"init_from={path!r} holds other weights than process 0's "
+                                 f"({'none' if mine is None else 'another checkpoint'} there)")
+
+
 def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                         training: bool) -> bool:
     """eval.py on ``config.init_from``'s weights as they are (reported as step 0): set, and
@@ -778,8 +790,8 @@ def out_of_memory_message(run: Run, xla: str, evaluating: bool, holds_state: boo
         # The state, the gradients (and their sum over microbatches) whatever the batch.
         fixed = None if held is None or params is None else held + params * (1 + (m > 1))
         if limit and fixed is not None and fixed >= 0.9 * limit:
-            fix = (f"with the gradients it (nearly) fills each device ({byte_size(fixed)}) whatever "
-                   f"the batch: {sharding}, or train a smaller model")
+            fix = (f"with the gradients it (nearly) fills each device ({byte_size(fixed)}) "
+                   f"whatever the batch: {sharding}, or train a smaller model")
         else:
             fixes = [f"lower batch_size (now {config.batch_size}) or raise microbatches (now "
                      f"{m}: each step then runs in that many passes over parts of the batch, "
@@ -977,6 +989,7 @@ def _evaluate_init_from(run: Run) -> dict[str, float]:
     the whole model), written as step 0."""
     pipe = run.make_eval_pipeline()     # data errors before the first compile
     check_same_splits({"test": pipe})
+    check_same_init_from(run.config.init_from)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
@@ -1135,6 +1148,8 @@ def _start_state(run: Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
     if latest is not None:
         _print(run, f"resuming from {checkpointer.directory / str(latest)}")
         return checkpointer.restore(latest, run.abstract, iterator), latest
+    if run.config.init_from:
+        check_same_init_from(run.config.init_from)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     if run.config.init_from:

@@ -7,6 +7,7 @@ directly on its devices, unboxed.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -114,6 +115,22 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
     raise ValueError(f"init_from={str(path)!r}: neither a converter folder (params/ + "
                      "model_config.json) nor a train.py workdir with checkpoints/<step>/state"
                      + convert)
+
+
+def init_from_fingerprint(path: str | pathlib.Path) -> str | None:
+    """A digest of what ``init_from`` holds (``pretrained_location``): the names and sizes of
+    the checkpoint's files (Orbax names data files afresh at each save, so another checkpoint
+    of the same model shows) and the model config. None when there is no such checkpoint."""
+    try:
+        params_dir, cfg_file = pretrained_location(path)
+    except ValueError:
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(f for f in params_dir.rglob("*") if f.is_file()):
+        digest.update(f"{file.relative_to(params_dir)}\0{file.stat().st_size}\0".encode())
+    if cfg_file.is_file():
+        digest.update(cfg_file.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str, Any]:
