@@ -77,15 +77,16 @@ SOFTWARE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "nump
 
 
 def software_versions() -> dict[str, str | None]:
-    """{distribution: version (None: not installed)} of ``SOFTWARE``, Python's version, and a
-    digest of posjax's source files (their paths and contents)."""
+    """{distribution: version (None: not installed)} of ``SOFTWARE``, Python's major.minor
+    version (patch releases may differ), and a digest of posjax's source files (their paths and
+    contents)."""
     versions: dict[str, str | None] = {}
     for name in SOFTWARE:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    versions["python"] = platform.python_version()
+    versions["python"] = ".".join(platform.python_version_tuple()[:2])
     root = pathlib.Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
