@@ -26,12 +26,21 @@ def _second_process(monkeypatch, change) -> list:
         if change:
             change(other)
         return [value, other]
+    monkeypatch.setattr(processes, "several", lambda: True)
     monkeypatch.setattr(processes, "gather", gather)
     return asked
 
 
 def test_one_process_gathers_its_own_value():
     assert processes.gather({"a": [1, 2]}) == [{"a": [1, 2]}]
+
+
+def test_one_process_compares_nothing_and_writes_no_probe(tmp_path: pathlib.Path):
+    def values():
+        raise AssertionError("values computed with one process")
+    processes.check_agree(values, "differ", "fix")
+    processes.check_shared_workdir(tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_differences_name_each_process_and_key():
@@ -112,6 +121,7 @@ def test_a_workdir_a_process_does_not_share_is_one_error(tmp_path: pathlib.Path,
     def gather(value):   # process 1 reads its own, empty directory
         views.append(value)
         return [value, None]
+    monkeypatch.setattr(processes, "several", lambda: True)
     monkeypatch.setattr(processes, "gather", gather)
     with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by every "
                                          r"process: process 1 does not see a file that process "
@@ -132,6 +142,7 @@ def test_a_workdir_every_process_sees_passes(tmp_path: pathlib.Path, monkeypatch
     def gather(value):
         names.append(value)
         return [value, value, value]
+    monkeypatch.setattr(processes, "several", lambda: True)
     monkeypatch.setattr(processes, "gather", gather)
     processes.check_shared_workdir(tmp_path)
     processes.check_shared_workdir(tmp_path)

@@ -653,8 +653,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 def check_same_config(config: ml_collections.ConfigDict) -> None:
     """Every process must have process 0's config (``config.distributed`` may differ):
     ``processes.check_agree``."""
-    flat = _flat(config_dict(config))
-    processes.check_agree({k: v for k, v in flat.items() if not _under(k, ("distributed",))},
+    processes.check_agree(lambda: {k: v for k, v in _flat(config_dict(config)).items()
+                                   if not _under(k, ("distributed",))},
                           "were started with different configs",
                           "Start every process with the same --config and --config.* flags "
                           "(only config.distributed may differ).")
@@ -664,14 +664,12 @@ def check_same_data_identity(config: ml_collections.ConfigDict,
                              data_identity: dict[str, Any]) -> None:
     """Every process's data files must mean what process 0's do (``data_identity``: the
     vocabulary), though the configs agree: a host with another copy under the same path."""
-    flat = _flat(config_dict(config))
-
     def show(key: str, entry: Any, first: Any) -> str:
         ranges = _id_ranges(identity_lib.changed_blocks(first or {}, entry or {}))
-        return f"{key}={flat.get(key)!r} holds another vocabulary than process 0's (ids " \
-               f"{ranges} differ)"
+        return f"{key}={_flat(config_dict(config)).get(key)!r} holds another vocabulary than " \
+               f"process 0's (ids {ranges} differ)"
 
-    processes.check_agree(data_identity, "read different data",
+    processes.check_agree(lambda: data_identity, "read different data",
                           "Give every host the same copy of the data files.", show)
 
 
@@ -680,7 +678,7 @@ def check_same_splits(pipelines: dict[str, Any]) -> None:
     share of the global batches shifts, and an evaluation pass of another length waits forever
     in a collective). ``pipelines``: {"train" or "test": its pipeline (``num_examples``)}."""
     processes.check_agree(
-        {split: getattr(pipe, "num_examples", None) for split, pipe in pipelines.items()},
+        lambda: {split: getattr(pipe, "num_examples", None) for split, pipe in pipelines.items()},
         "read different data",
         "Give every host the same copy of the data (the files or TFDS data_dir of config.data).",
         lambda split, n, first: f"its data.{split}_split has {n} examples (process 0: {first})")
@@ -691,7 +689,7 @@ def check_same_init_from(path: str) -> None:
     (``state.init_from_fingerprint``): a host with its own copy of another checkpoint under
     that path would load other parameters into its shards of the one model."""
     processes.check_agree(
-        {"init_from": state_lib.init_from_fingerprint(path)}, "read different data",
+        lambda: {"init_from": state_lib.init_from_fingerprint(path)}, "read different data",
         "Give every host the same copy of the weights (or keep them on a file system every "
         "host mounts), and start from a run's checkpoints only once it has stopped saving.",
         lambda key, mine, first: f"init_from={path!r} holds other weights than process 0's "

@@ -28,6 +28,11 @@ from jax.experimental import multihost_utils
 SHOWN = 8   # differences named in one error
 
 
+def several() -> bool:
+    """Whether this run has more than one process (else there is nothing to compare)."""
+    return jax.process_count() > 1
+
+
 def gather(value: Any) -> list[Any]:
     """``value`` (JSON-serialisable) of every process, in process order; ``[value]`` with one
     process. A collective: every process must call it, with its own value."""
@@ -51,12 +56,15 @@ def differences(values: list[dict[str, Any]],
             for key in sorted(set(first) | set(other)) if other.get(key) != first.get(key)]
 
 
-def check_agree(value: dict[str, Any], what: str, fix: str,
+def check_agree(values: Callable[[], dict[str, Any]], what: str, fix: str,
                 show: Callable[[str, Any, Any], str] | None = None) -> None:
-    """Raise, in every process, one ValueError when some process's ``value`` differs from
-    process 0's: 'the processes <what>: <differences>; <fix>'. ``show(key, value, process
-    0's value)`` words one difference (default 'key=value (process 0: value)')."""
-    found = differences(gather(value), show or _show_value)
+    """Raise, in every process, one ValueError when some process's ``values()`` (called only
+    when there are ``several`` processes) differ from process 0's: 'the processes <what>:
+    <differences>; <fix>'. ``show(key, value, process 0's value)`` words one difference
+    (default 'key=value (process 0: value)')."""
+    if not several():
+        return
+    found = differences(gather(values()), show or _show_value)
     if found:
         more = f"\n  ... and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
         raise ValueError(f"the processes {what}:\n  " + "\n  ".join(found[:SHOWN]) + more
@@ -98,7 +106,7 @@ def software_versions() -> dict[str, str | None]:
 def check_same_software() -> None:
     """Every process must run what process 0 runs (``software_versions``): another jax or
     posjax on one host traces another program around the one global state."""
-    check_agree(software_versions(), "run different software",
+    check_agree(software_versions, "run different software",
                 "Install the same packages and the same posjax on every host.",
                 lambda name, version, first: f"{name} {version} (process 0: {first})")
 
@@ -111,6 +119,8 @@ def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None
     writes under a new random name and removes after: no host can have that name cached as
     absent (NFS keeps a lookup that found nothing for up to a minute, e.g. of ``train.lock``
     after the last run removed it)."""
+    if not several():
+        return
     probe = name is None
     if probe and jax.process_index() == 0:
         name = f".shared-workdir-check-{uuid.uuid4().hex}"
@@ -129,12 +139,12 @@ def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None
             (workdir / name).unlink(missing_ok=True)
     missing = [i for i, shared in enumerate(shares) if not shared]
     if missing:
-        several = len(missing) > 1
+        plural = len(missing) > 1
         what = "a file that process 0 wrote" if probe else f"the {name} that process 0 sees"
         raise ValueError(
             f"workdir {str(workdir)!r} is not one directory shared by every process: "
-            f"process{'es' if several else ''} {', '.join(map(str, missing))} "
-            f"{'do' if several else 'does'} not see {what} there (a path on each host's own "
+            f"process{'es' if plural else ''} {', '.join(map(str, missing))} "
+            f"{'do' if plural else 'does'} not see {what} there (a path on each host's own "
             "disk, or another --workdir?). Give every process the same --workdir, on a file "
             "system that every host mounts (NFS, Filestore): each process writes and reads its "
             "own part of every checkpoint there")
