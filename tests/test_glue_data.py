@@ -131,6 +131,20 @@ def test_bad_rows_are_counted_or_refused(glue_dir):
         encoding="utf-8")
     with pytest.raises(ValueError, match=r"2 bad rows.*line 102: label 'positive'.*more than 1%"):
         glue.read_split(cfg_for("sst2", glue_dir), "train")
+    # The evaluated split keeps every row: its metrics must be those of the official set.
+    (glue_dir / "SST-2" / "dev.tsv").write_text("sentence\tlabel\n" + rows + "z\t2\n",
+                                                encoding="utf-8")
+    assert len(glue.read_split(cfg_for("sst2", glue_dir), "validation")[0]) == 300
+    with pytest.raises(ValueError, match=r"1 bad rows.*line 302: label '2'.*evaluated split "
+                                         "must keep every row"):
+        glue.read_split(cfg_for("sst2", glue_dir), "validation", evaluated=True)
+    (glue_dir / "SST-2" / "train.tsv").write_text("sentence\tlabel\n" + rows)
+    (glue_dir / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nfine\n")
+    cfg = cfg_for("sst2", glue_dir, glue_dir / "vocab.txt", test_split="validation")
+    glue.make_glue_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
+    with pytest.raises(ValueError, match="evaluated split must keep every row"):
+        glue.make_glue_pipeline(cfg, split="test", batch_size=8, seed=0, train=False)
+    (glue_dir / "SST-2" / "dev.tsv").unlink()
     (glue_dir / "STS-B" / "train.tsv").write_text(
         LAYOUT["STS-B/train.tsv"] + "2\tm\tf\t2012\t3\tn\tn\tA\tB\tfive\n", encoding="utf-8")
     with pytest.raises(ValueError, match="could not convert string to float: 'five'"):
