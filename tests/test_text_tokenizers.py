@@ -97,6 +97,23 @@ def test_missing_specials_are_appended(corpus, tmp_path):
     assert tok.vocab_size == 61 and tok.id_to_token(60) == "[MASK]"
 
 
+def test_saved_truncation_and_padding_are_switched_off(corpus, tmp_path, caplog):
+    """A tokenizer.json saved with truncation and padding on (as after a truncating HF call)
+    must not cut documents or put pad ids among the tokens: the pipelines do both."""
+    from tokenizers import Tokenizer
+    tk.train_tokenizer([str(corpus)], tmp_path / "tok", "wordpiece", 200)
+    saved = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    full, fox = (saved.encode(t, add_special_tokens=False).ids for t in (CORPUS, "fox"))
+    saved.enable_truncation(max_length=16)
+    saved.enable_padding(length=16, pad_id=0, pad_token="[PAD]")
+    saved.save(str(tmp_path / "cut.json"))
+    with caplog.at_level("WARNING"):
+        tok = tk.load_tokenizer(tmp_path / "cut.json")
+    assert "switched off the truncation" in caplog.text and "and the padding" in caplog.text
+    assert len(full) > 16 and len(fox) < 16
+    assert [e.ids.tolist() for e in tok.encode_batch([CORPUS, "fox"])] == [full, fox]
+
+
 def test_bad_inputs(tmp_path, corpus, capsys):
     with pytest.raises(ValueError, match="does not exist"):
         tk.load_tokenizer(tmp_path / "nope.txt")

@@ -7,6 +7,9 @@
   lower-casing and accent stripping) and punctuation splitting;
 - a SentencePiece ``*.model`` (e.g. DeBERTa-v3 ``spm.model``);
 - a Hugging Face ``tokenizer.json`` (GPT-2 byte-level BPE, DeBERTa v1, or one trained here);
+  truncation or padding saved in it is switched off, with a warning (the pipelines cut and
+  pad to ``max_seq_length`` themselves; the file's would cut documents and put pad ids among
+  the real tokens);
 - a folder holding one of these (looked up in the order above).
 
 Every tokenizer exposes the five special ids the models need (``pad``, ``unk``, ``cls``,
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import logging
 import pathlib
 import sys
 from typing import Any, Sequence
@@ -286,6 +290,15 @@ def load_tokenizer(path: str | pathlib.Path, lowercase: bool = True) -> TextToke
             tokenizer = Tokenizer.from_file(name)
         except Exception as e:  # the library raises a bare Exception on parse errors
             raise ValueError(f"tokenizer {name!r} is not a valid tokenizer.json: {e}") from e
+        saved = [f"{what} {settings}" for what, settings in
+                 (("truncation", tokenizer.truncation), ("padding", tokenizer.padding))
+                 if settings is not None]
+        if saved:
+            logging.warning("tokenizer %s: switched off the %s saved in it (the pipelines "
+                            "truncate and pad to max_seq_length themselves)", name,
+                            " and the ".join(saved))
+            tokenizer.no_truncation()
+            tokenizer.no_padding()
         return _from_hf(tokenizer, name)
     if file.suffix == ".model":
         import sentencepiece as spm
