@@ -601,6 +601,9 @@ def test_split_bounds_past_the_split_are_refused_as_in_tfds(tmp_path, spec, mess
         make_image_pipeline(cfg, split="train", batch_size=2, seed=0, train=True)
     assert sources.split_range("train[:100%]", 10) == range(10)
     assert sources.split_range("train[-10:10]", 10) == range(10)
+    for spec in ("train[%:]", "train[-:]", "train[:-%]", "train[1.5:]"):
+        with pytest.raises(ValueError, match=rf"split '{re.escape(spec)}' is not understood"):
+            sources.parse_split(spec)
 
 
 def test_image_folder_split_without_some_classes_is_named_once(tmp_path, caplog):

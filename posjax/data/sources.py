@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-_SPLIT_RE = re.compile(r"^(?P<base>[\w\-]+)(\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
+_SPLIT_RE = re.compile(r"^(?P<base>[\w\-]+)(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)\])?$")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 
