@@ -112,11 +112,31 @@ def test_pipeline_truncates_and_pads(shared_data):
     # longest-first: pieces differ in length by at most one when both were cut
     assert glue.truncate_longest_first([1] * 9, [2] * 4, 8) == ([1] * 4, [2] * 4)
     assert glue.truncate_longest_first([1] * 3, [2] * 9, 8) == ([1] * 3, [2] * 5)
-    # ties cut the second piece, as BERT's _truncate_seq_pair and HF's BertTokenizer do
+    # both cut: the odd token stays with the longer piece (b on ties), as in HF tokenizers
     assert glue.truncate_longest_first([1] * 14, [2] * 9, 13) == ([1] * 7, [2] * 6)
+    assert glue.truncate_longest_first([1] * 9, [2] * 14, 13) == ([1] * 6, [2] * 7)
+    assert glue.truncate_longest_first([1] * 9, [2] * 9, 13) == ([1] * 6, [2] * 7)
+    assert glue.truncate_longest_first([1] * 2, [2] * 9, 8) == ([1] * 2, [2] * 6)
     stsb = glue.encode_examples([{"text": ("a", "b"), "label": 3.5, "idx": 0}],
                                 glue.load_tokenizer(vocab), 16, True, glue.ReadReport("x"))
     assert stsb[0]["label"].dtype == np.float32 and stsb[0]["label"] == 3.5
+
+
+@pytest.mark.parametrize("length", [16, 23])
+def test_pairs_are_encoded_as_transformers_encodes_them(shared_data, length):
+    """Real MRPC dev pairs cut to a short length (both sentences truncated, odd and even
+    budgets): input ids, token types and mask equal BertTokenizer's."""
+    transformers = pytest.importorskip("transformers")
+    vocab = shared_data / "bert-base-uncased-vocab" / "vocab.txt"
+    cfg = cfg_for("mrpc", shared_data / "glue", vocab, max_seq_length=length)
+    examples, _ = glue.read_split(cfg, "validation")
+    ours = glue.encode_examples(examples, glue.load_tokenizer(vocab), length, False,
+                                glue.ReadReport("x"))
+    hf = transformers.BertTokenizer(str(vocab), do_lower_case=True)(
+        [e["text"][0] for e in examples], [e["text"][1] for e in examples],
+        truncation="longest_first", max_length=length, padding="max_length")
+    for key in ("input_ids", "token_type_ids", "attention_mask"):
+        np.testing.assert_array_equal(np.stack([o[key] for o in ours]), hf[key], err_msg=key)
 
 
 def test_bad_rows_are_counted_or_refused(glue_dir):

@@ -19,7 +19,7 @@ tokenizer        vocab.txt / SentencePiece .model / tokenizer.json (posjax.data.
 lowercase        WordPiece vocab.txt only: lower-case (BERT uncased)
 max_seq_length   L; pairs are ``[CLS] a [SEP] b [SEP]`` (token types 0 .. 0 1 .. 1), single
                  sentences ``[CLS] a [SEP]``; longer inputs are truncated longest-first
-                 (one token at a time from the longer sentence), counted and reported
+                 (as Hugging Face tokenizers cut pairs), counted and reported
 ================ ============================================================================
 
 TSV quirks handled: quoting disabled (``csv.QUOTE_NONE``: GLUE text holds bare ``"``), an
@@ -342,15 +342,18 @@ def read_split(cfg: ml_collections.ConfigDict, split: str, evaluated: bool = Fal
 
 
 def truncate_longest_first(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
-    """Drop tokens from the end of the longer list (b on ties, as BERT's _truncate_seq_pair and
-    HF tokenizers do) until len(a)+len(b) <= budget."""
-    a, b = list(a), list(b)
-    while len(a) + len(b) > budget:
-        if len(a) > len(b):
-            a.pop()
-        else:
-            b.pop()
-    return a, b
+    """Cut the ends of ``a`` and ``b`` to ``len(a) + len(b) <= budget`` longest-first, as Hugging
+    Face tokenizers do: a piece shorter than half the budget is kept whole and the other takes
+    the rest; otherwise both keep ``budget // 2`` and the longer one (b on ties) takes the odd
+    token. (Google BERT's ``_truncate_seq_pair`` gives that token to a.)"""
+    if len(a) + len(b) <= budget:
+        return list(a), list(b)
+    a_is_shorter = len(a) <= len(b)
+    shorter = min(len(a), len(b))
+    keep_shorter = shorter if 2 * shorter <= budget else budget // 2
+    keep_a, keep_b = ((keep_shorter, budget - keep_shorter) if a_is_shorter
+                      else (budget - keep_shorter, keep_shorter))
+    return list(a[:keep_a]), list(b[:keep_b])
 
 
 def assemble(parts: Sequence[Sequence[int]], tokenizer: TextTokenizer, length: int
