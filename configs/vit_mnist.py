@@ -1,6 +1,8 @@
 """Small ViT on the MNIST files in ../shared/data/mnist (IDX .gz; only the 10k t10k split is
-there, so it is split 8,000 train / 2,000 test). Point --config.data.path at your own copy
-(with train-* files set data.train_split=train, data.test_split=test).
+there, so it is split 8,000 train / 2,000 test). The last 5,000 digits of t10k come from
+NIST's harder writers, so this test split holds only those: its accuracy reads lower than a
+figure on all of t10k. Point --config.data.path at your own copy (with train-* files set
+data.train_split=train, data.test_split=test).
 
     python train.py --config configs/vit_mnist.py --workdir /tmp/mnist
 """
