@@ -97,3 +97,41 @@ def test_a_damaged_init_from_is_one_error_and_nothing_else(tmp_path, monkeypatch
     gc.collect()    # failed tasks nobody awaited are reported when collected
     assert [r.getMessage()[:200] for r in caplog.records if r.name == "asyncio"] == []
     assert [str(u.exc_value) for u in unraisable] == []
+
+
+def test_a_body_parameter_of_another_shape_is_refused_before_training(tmp_path):
+    """A checkpoint whose patch embedding (or vocabulary) has another shape than this model's
+    would train a pretrained body behind a random input layer: one error naming the
+    parameter and the config fields, at prepare. A head of another size is re-initialised."""
+    write_workdir(tmp_path / "source", syn.tiny_config(**{"model.patch_size": 2}))
+    config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
+    with pytest.raises(ValueError, match=re.escape(
+            "1 parameter(s) of the pretrained model's body have other shapes in this model and "
+            "would keep a random init: ['embedding']['kernel'] (saved (2, 2, 1, 16), here "
+            "(4, 4, 1, 16)). Give config.model the pretrained model's num_channels, "
+            "patch_size (see config.json there)")):
+        loop.prepare(config, tmp_path / "run", training=True)
+    assert not (tmp_path / "run").exists()
+
+    write_workdir(tmp_path / "classes", syn.tiny_config(**{"model.num_classes": 7}))
+    config = syn.tiny_config(**{"init_from": str(tmp_path / "classes")})
+    loop.prepare(config, tmp_path / "run2", training=True)   # another head: fine-tuning
+
+
+def test_a_text_checkpoint_with_another_vocabulary_is_refused(tmp_path):
+    import dataclasses
+    from model_inputs import random_params
+    from posjax import TextConfig, TextForMaskedLM
+    from posjax.convert import Pretrained, save_checkpoint
+    cfg = TextConfig(position_scheme="deberta_v2", vocab_size=40, hidden_size=16, num_heads=2,
+                     num_layers=1, mlp_dim=32)
+    batch = dict(input_ids=np.zeros((1, 8), np.int32), attention_mask=np.ones((1, 8), np.int32))
+    saved = random_params(TextForMaskedLM(cfg), **batch)["params"]
+    folder = save_checkpoint(Pretrained(cfg, saved, "text", "mlm"), tmp_path / "ckpt")
+    wider = dataclasses.replace(cfg, vocab_size=48)
+    target = jax.eval_shape(lambda: random_params(TextForMaskedLM(wider), **batch)["params"])
+    with pytest.raises(ValueError, match=r"\['word_embeddings'\]\['embedding'\] \(saved \(40, 16\)"
+                                         r", here \(48, 16\)\)\. Give config\.model the "
+                                         r"pretrained model's embedding_size, vocab_size"):
+        state_lib.check_init_from(folder, target, model_config=wider)
+    state_lib.check_init_from(folder, jax.eval_shape(lambda: saved), model_config=cfg)

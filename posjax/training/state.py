@@ -198,11 +198,42 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
             f"encoder{scheme}: give config.model the pretrained model's "
             f"architecture (see {cfg_file.name} there), or start without init_from")
+    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+               for k in target if k in shapes and not fits(k) and not k.startswith(HEAD_ROOTS)
+               and not (grid is not None and _patch_table_prefix(k, num_prefix_tokens) is not None)]
+    if misfits and not whole:
+        fields = sorted({f for k in misfits for f in _shape_fields(k)})
+        raise ValueError(
+            f"init_from={str(path)!r}: {len(misfits)} parameter(s) of the pretrained model's "
+            f"body have other shapes in this model and would keep a random init: "
+            f"{', '.join(misfits[:5])}{f' and {len(misfits) - 5} more' if len(misfits) > 5 else ''}"
+            f". Give config.model the pretrained model's {', '.join(fields)} (see "
+            f"{cfg_file.name} there), or start without init_from")
     if whole:
         not_loaded = [k if k not in shapes else
                       f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
                       for k in target if not (k in shapes and fits(k))]
         _check_whole(path, cfg_file, not_loaded, sorted(set(shapes) - set(target)))
+
+
+# Parameters a fine-tuning run may re-initialise (another number of classes, a new pooler):
+# every other saved parameter must load with its shape, or the run would train a pretrained
+# body around randomly initialised pieces.
+HEAD_ROOTS = ("['classifier']", "['pooler']", "['mlm_head']", "['head']", "['pre_logits']",
+              "['map_head']")
+_SHAPE_FIELDS = (("word_embeddings", ("vocab_size", "embedding_size")),
+                 ("['embeddings']['position_embeddings']", ("max_position_embeddings",)),
+                 ("['tupe_bias']['position_embeddings']", ("max_position_embeddings",)),
+                 ("token_type_embeddings", ("type_vocab_size",)),
+                 ("rel_embeddings", ("max_relative_positions", "position_buckets")),
+                 ("relative_bias", ("relative_buckets",)),
+                 ("['embedding']['kernel']", ("patch_size", "num_channels")))
+
+
+def _shape_fields(key: str) -> tuple[str, ...]:
+    """The config.model fields that set the shape of the parameter ``key``."""
+    return next((fields for part, fields in _SHAPE_FIELDS if part in key),
+                ("hidden_size", "num_heads", "mlp_dim"))
 
 
 def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: list[str],
