@@ -612,6 +612,23 @@ def test_init_from_summary_counts_and_shows_the_first_notes():
         *(f"  {n}" for n in notes[:3]), "  ... and 5 more"]
 
 
+def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
+    """A hybrid ViT (ResNet stem, stride 16) on 64 x 256 images with 1 x 1 patches has a 4 x 16
+    grid, not image_size / patch_size; its 64 rows are not a square 8 x 8 grid either."""
+    from posjax.layers.positions import resample_position_table
+    saved_cfg = {"config": {"image_size": [64, 256], "patch_size": 1,
+                            "resnet_layers": [1, 1, 1]}}
+    table = np.random.default_rng(0).normal(size=(1, 64, 4)).astype(np.float32)
+    target = {"pos_embedding": jnp.zeros((1, 8 * 32, 4))}
+    replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    merged, notes = state_lib.merge_pretrained(target, {"['pos_embedding']": table},
+                                               {"pos_embedding": replicated}, saved_cfg, (8, 32))
+    assert notes == ["['pos_embedding']: resampled grid (4, 16) -> (8, 32)"]
+    np.testing.assert_array_equal(merged["pos_embedding"],
+                                  resample_position_table(table, (4, 16), (8, 32),
+                                                          num_prefix_tokens=0))
+
+
 def test_split_tags_keep_splits_apart():
     tags = [loop.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
     assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "bert_abs_d", "deberta",
                 "deberta_v2")
@@ -208,6 +208,12 @@ class TextConfig:
         return _from_dict(cls, d)
 
 
+def stem_stride(resnet_layers: Sequence[int]) -> int:
+    """Total downsampling of a hybrid ViT's ResNet stem with ``resnet_layers`` blocks per stage
+    (root /4, then /2 per stage after the first); 1 without a stem."""
+    return 4 * 2 ** (len(resnet_layers) - 1) if resnet_layers else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """Vision Transformer (pre-LN) on patches; any text scheme may replace learned positions."""
@@ -287,8 +293,7 @@ class ViTConfig:
 
     @property
     def stem_stride(self) -> int:
-        """Total downsampling of the ResNet stem (root /4, then /2 per stage after the first)."""
-        return 4 * 2 ** (len(self.resnet_layers) - 1) if self.resnet_layers else 1
+        return stem_stride(self.resnet_layers)
 
     @property
     def grid_size(self) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 
 from posjax.data.common import local_path
 from posjax.layers.positions import resample_position_table
+from posjax.models.config import stem_stride
 from posjax.models.layout import to_layout
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
@@ -459,14 +460,16 @@ def _patch_table_prefix(key: str, num_prefix_tokens: int) -> int | None:
 
 
 def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
-    """Patch grid: from image_size/patch_size in a (possibly nested) model config, else square."""
+    """Patch grid: from image_size / (patch_size · the ResNet stem's stride) in a (possibly
+    nested) model config, else square."""
     cfg = model_cfg.get("model", model_cfg.get("config", model_cfg))
     if "image_size" in cfg and "patch_size" in cfg:
         size = cfg["image_size"]
         patch = cfg["patch_size"]
         size = (size, size) if isinstance(size, int) else tuple(size)
         patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
-        grid = (size[0] // patch[0], size[1] // patch[1])
+        stride = stem_stride(cfg.get("resnet_layers") or ())
+        grid = (size[0] // (patch[0] * stride), size[1] // (patch[1] * stride))
         if grid[0] * grid[1] == tokens:
             return grid
     side = math.isqrt(tokens)
