@@ -147,11 +147,44 @@ def test_a_head_posjax_has_no_module_for(copy_of, head, tensors):
     ({"position_biased_input": "false"},
      r"config\.json: position_biased_input='false' is not valid: must be true or false"),
     ({"num_attention_heads": 3},   # posjax's num_heads, named as config.json names it
-     r"config\.json: hidden_size=16 is not valid: must be divisible by num_attention_heads=3")])
+     r"config\.json: hidden_size=16 is not valid: must be divisible by num_attention_heads=3"),
+    ({"pos_att_type": 5}, r"config\.json: pos_att_type=5 is not supported: give a list")])
 def test_bad_config_values_name_the_config_json_key(copy_of, changes, error):
     edit_config(copy_of, **changes)
     with pytest.raises(ValueError, match=error):
         load_pretrained(copy_of)
+
+
+def test_a_tensor_that_is_not_float_or_has_too_few_dimensions_is_named(copy_of):
+    name = "deberta.encoder.layer.0.attention.self.query_proj.weight"
+    weight = load_file(copy_of / "model.safetensors")[name]
+    edit_tensors(copy_of, add={name: weight.astype(np.int8)})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype int8, not floating point"):
+        load_pretrained(copy_of)
+    edit_tensors(copy_of, add={name: np.array(1.0, np.float32)})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' of shape \(\) cannot be laid out"):
+        load_pretrained(copy_of)
+
+
+def test_unused_tensors_of_an_encoder_import_give_no_head_advice(copy_of):
+    edit_tensors(copy_of, add={"deberta.encoder.layer.0.surprise.weight": np.zeros(3, np.float32)})
+    for task, advice in (("classification", True), ("encoder", False)):
+        with pytest.raises(ValueError, match="surprise") as e:
+            load_pretrained(copy_of, task=task)
+        assert ("task='encoder'" in str(e.value)) == advice
+
+
+@pytest.mark.parametrize("image_size", [[16], 16.7, [16, 0], True, [16, None]])
+def test_a_vit_image_size_that_is_not_sizes_is_named(tmp_path, image_size):
+    folder = tmp_path / "vit"
+    transformers.ViTModel(transformers.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16), add_pooling_layer=False).save_pretrained(folder)
+    assert load_pretrained(folder).config.image_size == (16, 16)
+    edit_config(folder, image_size=image_size)
+    with pytest.raises(ValueError, match=r"config\.json: image_size=.* is not supported: give a "
+                                         r"positive int or a pair"):
+        load_pretrained(folder)
 
 
 def test_corrupt_npz(tmp_path):

@@ -64,8 +64,11 @@ def _pos_att_type(hf: HFConfig) -> tuple[str, ...]:
         items: list[str] = []
     elif isinstance(value, str):
         items = [t.strip().lower() for t in value.split("|") if t.strip()]
-    else:
+    elif isinstance(value, (list, tuple)):
         items = [str(t).strip().lower() for t in value]
+    else:
+        raise hf.fail("pos_att_type", "give a list such as [\"p2c\", \"c2p\"] or a string "
+                      "such as \"p2c|c2p\"")
     if not items or not set(items) <= {"c2p", "p2c"}:
         raise hf.fail("pos_att_type", "posjax supports a non-empty subset of c2p|p2c")
     return tuple(t for t in ("c2p", "p2c") if t in items)
@@ -258,7 +261,7 @@ def import_deberta(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndar
     base = () if task == "encoder" else ("encoder",)
     links = encoder_links(cfg, prefix, base) + head_links(task, legacy_mlm)
     expected = expected_params("text", task, cfg, num_labels)
-    params = m.import_tensors(links, tensors, expected, source, ignored)
+    params = m.import_tensors(links, tensors, expected, source, ignored, task)
     return Pretrained(cfg, params, "text", task)
 
 

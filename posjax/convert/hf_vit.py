@@ -72,8 +72,8 @@ def import_vit(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
     if pooler and hf["pooler_act"] != "tanh":
         raise hf.fail("pooler_act", "posjax's pre_logits uses tanh")
     cfg = hf.build(
-        ViTConfig, position_scheme="vit", image_size=_pair(hf["image_size"]),
-        patch_size=_pair(hf["patch_size"]), num_channels=hf["num_channels"],
+        ViTConfig, position_scheme="vit", image_size=_pair(hf, "image_size"),
+        patch_size=_pair(hf, "patch_size"), num_channels=hf["num_channels"],
         hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
         num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
         num_classes=tensors["classifier.weight"].shape[0] if task == "classification" else 0,
@@ -87,12 +87,20 @@ def import_vit(config_json: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
         raise hf.fail("head_dim", f"posjax needs hidden_size / num_attention_heads = "
                       f"{cfg.head_dim}")
     expected = expected_params("vit", task, cfg)
-    params = m.import_tensors(vit_links(cfg, prefix), tensors, expected, source, ignored)
+    params = m.import_tensors(vit_links(cfg, prefix), tensors, expected, source, ignored,
+                              task)
     return Pretrained(cfg, params, "vit", task)
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, (int, float)) else (int(v[0]), int(v[1]))
+def _pair(hf: HFConfig, key: str) -> tuple[int, int]:
+    """(height, width) of an int or a pair of ints in config.json."""
+    v = hf[key]
+    pair = [v, v] if not isinstance(v, (list, tuple)) else list(v)
+    pair = [int(x) if isinstance(x, float) and x.is_integer() else x for x in pair]
+    if len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                 for x in pair):
+        raise hf.fail(key, "give a positive int or a pair [height, width] of them")
+    return pair[0], pair[1]
 
 
 def export_vit(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -111,12 +111,13 @@ def _name(path: Path) -> str:
 
 def import_tensors(links: Iterable[Link], tensors: Mapping[str, np.ndarray],
                    expected: Mapping[str, Any], source: str | pathlib.Path,
-                   ignored: Iterable[str] = ()) -> Tree:
+                   ignored: Iterable[str] = (), task: str = "encoder") -> Tree:
     """Build the posjax tree ``expected`` (a tree of arrays/ShapeDtypeStructs) from ``tensors``.
 
-    Every link's source tensors must exist, every tensor must be used (or listed in ``ignored``)
-    and every produced array must have the expected shape; each violation is one ValueError
-    naming ``source`` and the tensor.
+    Every link's source tensors must exist and be floating point, every tensor must be used
+    (or listed in ``ignored``) and every produced array must have the expected shape; each
+    violation is one ValueError naming ``source`` and the tensor. ``task``: the model built,
+    for the advice on unused tensors.
     """
     links = list(links)
     want = flatten(expected)
@@ -131,14 +132,19 @@ def import_tensors(links: Iterable[Link], tensors: Mapping[str, np.ndarray],
     if unused:
         raise ValueError(f"{source}: tensor(s) {unused[:8]}{' …' if len(unused) > 8 else ''} "
                          "have no place in the posjax model built from its config: unknown "
-                         "model variant or head (a head can be dropped with task='encoder')")
+                         "model variant or head" + (" (a head can be dropped with "
+                                                    "task='encoder')" if task != "encoder" else ""))
     flat: dict[Path, np.ndarray] = {}
     for link in links:
         arrays = [np.asarray(tensors[n]) for n in link.source]
+        for name, a in zip(link.source, arrays):
+            if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+                raise ValueError(f"{source}: tensor {name!r} has dtype {a.dtype}, not floating "
+                                 "point (a quantized checkpoint?): give the float weights")
         shapes = ", ".join(f"{n!r} of shape {a.shape}" for n, a in zip(link.source, arrays))
         try:
             outs = link.to_posjax(*arrays)
-        except ValueError as e:
+        except (ValueError, IndexError) as e:   # IndexError: fewer dimensions than a layout
             raise ValueError(f"{source}: tensor {shapes} cannot be laid out as posjax "
                              f"{[_name(t) for t in link.target]}: {e}") from e
         for path, out in zip(link.target, outs):

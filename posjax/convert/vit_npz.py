@@ -297,5 +297,5 @@ def import_npz(arrays: Mapping[str, np.ndarray], source: str, task: str | None =
     task = "classification" if cfg.num_classes else "encoder"
     expected = expected_params("vit", task, cfg)
     links = npz_links(cfg, set(arrays), layout, table_has_cls_row(arrays, layout))
-    params = m.import_tensors(links, arrays, expected, source, ignored)
+    params = m.import_tensors(links, arrays, expected, source, ignored, task)
     return Pretrained(cfg, params, "vit", task)
