@@ -171,3 +171,34 @@ def test_deberta_cls_row_uses_thin_gathers():
     params = random_params(model, *args)
     hlo = jax.jit(lambda p: model.apply(p, *args, first_only=True)).lower(params).as_text()
     assert "2x4x1x32" not in hlo and "2x4x24x32" not in hlo     # (B, h, Lq, 2k) products
+
+
+@pytest.mark.parametrize("scheme", ["deberta_v2", "deberta"])
+def test_remat_keeps_the_last_layers_single_query(scheme):
+    """Unrolled remat layers trace their arguments: token 0's query must stay a static choice
+    there, else DeBERTa's last layer reads its relative products for every table row (a
+    (B, h, L, 2k) p2c product instead of (B, h, L, 1)). Its forward costs what it does
+    without remat, and gives the same row."""
+    batch = padded_text_batch((24, 17), 24, 40)
+    args = (batch["input_ids"], batch["attention_mask"])
+    params = random_params(TextEncoder(text(scheme)), *args)
+    costs, rows = [], []
+    for remat in (False, True):
+        model = TextEncoder(text(scheme, remat=remat))
+        costs.append(_flops(lambda p: model.apply(p, *args, first_only=True), params))
+        rows.append(model.apply(params, *args, first_only=True))
+    assert costs[1] <= 1.001 * costs[0], costs
+    np.testing.assert_allclose(rows[1], rows[0], atol=TOL, rtol=TOL)
+
+
+def test_remat_computes_a_pre_ln_layers_norm_once():
+    """Pre-LN (ViT) self-attention normalises its input once per layer, with or without
+    remat (remat's traced arguments made ``x_kv is x_q`` false: a second LayerNorm)."""
+    from model_inputs import every_eqn
+    counts = []
+    for remat in (False, True):
+        encoder, args = _vit_encoder_inputs(vit("vit", remat=remat))
+        params = random_params(encoder, *args)
+        jaxpr = jax.make_jaxpr(lambda p: encoder.apply(p, *args))(params)
+        counts.append(sum(e.primitive.name == "rsqrt" for e in every_eqn(jaxpr.jaxpr)))
+    assert counts[0] == counts[1] == 2 * 2, counts   # 2 layers x (attention_norm, mlp_norm)

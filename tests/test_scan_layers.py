@@ -144,3 +144,19 @@ def test_init_from_loads_across_layouts(unrolled, tmp_path, saved_scanned):
     expected = to_layout(unrolled, target_cfg.scan_layers)
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("scheme", ["tupe_a", "tupe_r", "bert_abs_d"])
+def test_scanned_stack_inits_with_a_one_position_table(scheme):
+    """The stacked layers are initialised on a dummy input no longer than the shortest table
+    (length 1), as the unrolled ones are on the real input."""
+    cfg = TextConfig(position_scheme=scheme, vocab_size=40, hidden_size=16, num_heads=2,
+                     num_layers=2, mlp_dim=32, max_position_embeddings=1)
+    batch = dict(input_ids=np.ones((2, 1), np.int32), attention_mask=np.ones((2, 1), np.int32))
+    unrolled = random_params(TextForMaskedLM(cfg), **batch)
+    scanned = TextForMaskedLM(dataclasses.replace(cfg, scan_layers=True))
+    assert jax.tree.structure(random_params(scanned, **batch)) == jax.tree.structure(
+        {"params": to_layout(unrolled["params"], True)})
+    np.testing.assert_allclose(scanned.apply({"params": to_layout(unrolled["params"], True)},
+                                             **batch),
+                               TextForMaskedLM(cfg).apply(unrolled, **batch), atol=1e-5)

@@ -59,7 +59,10 @@ def can_run_first_only(cfg: Config) -> bool:
 class EncoderLayer(nn.Module):
     """One block. Post-LN: x = LN(x + Attn(x)); x = LN(x + MLP(x)). Pre-LN: x += Attn(LN(x)); …
 
-    ``x_kv`` differs from ``x_q`` only in DeBERTa's EMD (queries H_{L−1}+P, keys H_{L−1}).
+    ``x_kv``: the states keys and values are read from, None for self-attention (x_q); they
+    differ only in DeBERTa's EMD (queries H_{L−1}+P, keys H_{L−1}) and for ``first_query``.
+    ``first_query``: ``x_q`` is token 0's row alone (static, so that DeBERTa reads its relative
+    products for that one query even under remat).
     """
 
     cfg: Config
@@ -67,9 +70,12 @@ class EncoderLayer(nn.Module):
     grid: tuple[int, int] | None = None
 
     @nn.compact
-    def __call__(self, x_q: Array, x_kv: Array, mask: Array | None, terms: dict[str, Any],
-                 query_positions: Array | None = None, train: bool = False) -> Array:
+    def __call__(self, x_q: Array, x_kv: Array | None, mask: Array | None, terms: dict[str, Any],
+                 query_positions: Array | None = None, train: bool = False,
+                 first_query: bool = False) -> Array:
         cfg = self.cfg
+        if first_query:
+            query_positions = np.zeros((1, 1), np.int32)
         dtype = compute_dtype(cfg)
         if cfg.position_scheme in DEBERTA:
             attention = DisentangledAttention(
@@ -102,9 +108,10 @@ class EncoderLayer(nn.Module):
         norm2 = layer_norm(cfg.layer_norm_eps, name="mlp_norm", dtype=dtype)
         if self.pre_ln:
             y = norm1(x_q)
-            x = x_q + drop(attend(y, y if x_kv is x_q else norm1(x_kv)), deterministic=not train)
+            x = x_q + drop(attend(y, y if x_kv is None else norm1(x_kv)), deterministic=not train)
             return x + drop(mlp(norm2(x), train=train), deterministic=not train)
-        x = norm1(x_q + drop(attend(x_q, x_kv), deterministic=not train))
+        x = norm1(x_q + drop(attend(x_q, x_q if x_kv is None else x_kv),
+                             deterministic=not train))
         x = norm2(x + drop(mlp(x, train=train), deterministic=not train))
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -175,8 +182,10 @@ class Encoder(nn.Module):
             # (num_layers, *per-layer shape), run by one lax.scan (see ``_scan``).
             self.layer_stack = self.param("layers", self._init_layer_stack)
         else:
-            # static_argnums counts self as argument 0: `train` is argument 6.
-            layer_cls = nn.remat(EncoderLayer, static_argnums=(6,)) if cfg.remat else EncoderLayer
+            # static_argnums counts self as argument 0: `train` and `first_query` are 6 and 7
+            # (always given positionally: remat refuses static positions past the arguments).
+            layer_cls = (nn.remat(EncoderLayer, static_argnums=(6, 7)) if cfg.remat
+                         else EncoderLayer)
             self.layers = [layer_cls(cfg, self.pre_ln, self.grid, name=f"layer_{i}")
                            for i in range(cfg.num_layers)]
 
@@ -191,25 +200,25 @@ class Encoder(nn.Module):
         (the whole grid for images, whose 2D relative positions are defined per patch).
         """
         cfg = self.cfg
-        length = 2 if self.grid is None else self.grid[0] * self.grid[1] + int(self.has_cls)
+        length = 1 if self.grid is None else self.grid[0] * self.grid[1] + int(self.has_cls)
         x = jnp.zeros((1, length, cfg.hidden_size), compute_dtype(cfg))
         mask = jnp.ones((1, 1, length, length), bool)
         terms = self.position_terms(length)
 
         def init_one(key: Array) -> Any:
-            return self._layer().init({"params": key}, x, x, mask, terms)["params"]
+            return self._layer().init({"params": key}, x, None, mask, terms)["params"]
 
         stacked = jax.vmap(init_one)(jax.random.split(rng, cfg.num_layers))
         return jax.tree.map(lambda p: p.add_axis(0, {nn.PARTITION_NAME: "layers"}), stacked,
                             is_leaf=lambda p: isinstance(p, nn.Partitioned))
 
-    def _apply_layer(self, params: Any, x_q: Array, x_kv: Array, mask: Array,
+    def _apply_layer(self, params: Any, x_q: Array, x_kv: Array | None, mask: Array,
                      terms: dict[str, Any], query_positions: Array | None, train: bool,
-                     rng: Array | None) -> tuple[Array, Any]:
+                     rng: Array | None, first_query: bool = False) -> tuple[Array, Any]:
         """One layer from its params -> (output, its sown intermediates or {})."""
         capture = self.is_mutable_collection("intermediates")
         out = self._layer().apply({"params": params}, x_q, x_kv, mask, terms, query_positions,
-                                  train, rngs=None if rng is None else {"dropout": rng},
+                                  train, first_query, rngs=None if rng is None else {"dropout": rng},
                                   mutable=["intermediates"] if capture else False)
         return out if capture else (out, {})
 
@@ -225,7 +234,7 @@ class Encoder(nn.Module):
 
         def body(carry, xs):
             layer_params, rng = xs
-            out, sown = self._apply_layer(layer_params, carry, carry, mask, terms, None, train,
+            out, sown = self._apply_layer(layer_params, carry, None, mask, terms, None, train,
                                           rng)
             return out, (out, sown)
 
@@ -301,8 +310,8 @@ class Encoder(nn.Module):
         h = x
         for i, layer in enumerate(self.layers):
             if row_alone and i == len(self.layers) - 1:
-                return layer(*self._first_query(h, mask, terms), train)
-            out = layer(h, h, mask, terms, None, train)
+                return layer(*self._first_query(h, mask, terms), None, train, True)
+            out = layer(h, None, mask, terms, None, train, False)
             if i == 0 and has_conv(self.cfg):
                 out = self.conv(x, out, token_mask, train)
             outputs.append(out)
@@ -311,14 +320,13 @@ class Encoder(nn.Module):
 
     @staticmethod
     def _first_query(h: Array, mask: Array, terms: dict[str, Any]
-                     ) -> tuple[Array, Array, Array, dict[str, Any], Array]:
-        """A layer's (x_q, x_kv, mask, terms, query_positions) for token 0's query alone:
+                     ) -> tuple[Array, Array, Array, dict[str, Any]]:
+        """A layer's (x_q, x_kv, mask, terms) for token 0's query alone (``first_query``):
         (B, 1, H) queries against all (B, L, H) keys; the (·, ·, Lq, Lk) mask, shared bias and
-        BERT-A-d's position queries cut to row 0; DeBERTa's relative index taken at query
-        position 0 (static, shared)."""
+        BERT-A-d's position queries cut to row 0."""
         cut = {"bias": lambda v: v[:, :, :1], "position_query": lambda v: v[:1]}
         rows = {k: cut[k](v) if k in cut else v for k, v in terms.items()}
-        return h[:, :1], h, mask[:, :, :1], rows, np.zeros((1, 1), np.int32)
+        return h[:, :1], h, mask[:, :, :1], rows
 
     def enhanced_mask_decoder(self, hidden_prev: Array, z: Array, token_mask: Array,
                               query_positions: Array | None, train: bool = False) -> Array:
@@ -339,7 +347,7 @@ class Encoder(nn.Module):
             return query
         layer = self.layers[-1]
         for _ in range(2):
-            query = layer(query, hidden_prev, mask, terms, query_positions, train)
+            query = layer(query, hidden_prev, mask, terms, query_positions, train, False)
         return query
 
     def _scanned_call(self, x: Array, token_mask: Array, mask: Array, terms: dict[str, Any],
@@ -352,7 +360,7 @@ class Encoder(nn.Module):
         h = x
         if has_conv(self.cfg):
             first = jax.tree.map(lambda p: p[0], params)
-            out, sown = self._apply_layer(first, x, x, mask, terms, None, train,
+            out, sown = self._apply_layer(first, x, None, mask, terms, None, train,
                                           self._dropout_rng(train))
             self._resow(sown)
             h = self.conv(x, out, token_mask, train)
@@ -363,8 +371,8 @@ class Encoder(nn.Module):
             params = jax.tree.map(lambda p: p[:-1], params)
             if jax.tree.leaves(params)[0].shape[0]:
                 h, _ = self._scan(params, h, mask, terms, train)
-            out, _ = self._apply_layer(last, *self._first_query(h, mask, terms), train,
-                                       self._dropout_rng(train))
+            out, _ = self._apply_layer(last, *self._first_query(h, mask, terms), None, train,
+                                       self._dropout_rng(train), first_query=True)
             return out
         h, outputs = self._scan(params, h, mask, terms, train)
         if not return_all:
