@@ -106,10 +106,10 @@ def test_a_body_parameter_of_another_shape_is_refused_before_training(tmp_path):
     write_workdir(tmp_path / "source", syn.tiny_config(**{"model.patch_size": 2}))
     config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
     with pytest.raises(ValueError, match=re.escape(
-            "1 parameter(s) of the pretrained model's body have other shapes in this model and "
-            "would keep a random init: ['embedding']['kernel'] (saved (2, 2, 1, 16), here "
-            "(4, 4, 1, 16)). Give config.model the pretrained model's num_channels, "
-            "patch_size (see config.json there)")):
+            "1 parameter(s) of this model outside its heads would not load from the pretrained "
+            "model and would keep a random init: ['embedding']['kernel'] (saved (2, 2, 1, 16), "
+            "here (4, 4, 1, 16)). Give config.model the pretrained model's values: "
+            "--config.model.patch_size=\"(2, 2)\", or start without init_from")):
         loop.prepare(config, tmp_path / "run", training=True)
     assert not (tmp_path / "run").exists()
 
@@ -132,6 +132,77 @@ def test_a_text_checkpoint_with_another_vocabulary_is_refused(tmp_path):
     target = jax.eval_shape(lambda: random_params(TextForMaskedLM(wider), **batch)["params"])
     with pytest.raises(ValueError, match=r"\['word_embeddings'\]\['embedding'\] \(saved \(40, 16\)"
                                          r", here \(48, 16\)\)\. Give config\.model the "
-                                         r"pretrained model's embedding_size, vocab_size"):
+                                         r"pretrained model's values: "
+                                         r"--config\.model\.vocab_size=40, or start"):
         state_lib.check_init_from(folder, target, model_config=wider)
     state_lib.check_init_from(folder, jax.eval_shape(lambda: saved), model_config=cfg)
+
+
+def _text_checkpoint(tmp_path, **fields):
+    import dataclasses
+    from model_inputs import random_params
+    from posjax import TextConfig, TextForMaskedLM
+    from posjax.convert import Pretrained, save_checkpoint
+    cfg = TextConfig(**{**dict(position_scheme="deberta_v2", vocab_size=40, hidden_size=16,
+                               num_heads=2, num_layers=2, mlp_dim=32), **fields})
+    batch = dict(input_ids=np.zeros((1, 8), np.int32), attention_mask=np.ones((1, 8), np.int32))
+    saved = random_params(TextForMaskedLM(cfg), **batch)["params"]
+    folder = save_checkpoint(Pretrained(cfg, saved, "text", "mlm"), tmp_path / "ckpt")
+
+    def target(**changes):
+        other = dataclasses.replace(cfg, **changes)
+        return other, jax.eval_shape(
+            lambda: random_params(TextForMaskedLM(other), **batch)["params"])
+    return folder, saved, target
+
+
+def test_a_shallower_scanned_model_takes_the_first_layers_and_a_deeper_one_is_refused(tmp_path):
+    from posjax.models.layout import to_layout
+    folder, saved, target = _text_checkpoint(tmp_path)
+    cfg, params = target(num_layers=1, scan_layers=True)
+    state_lib.check_init_from(folder, params, model_config=cfg)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    loaded, saved_cfg = state_lib.read_pretrained(folder, params,
+                                                  jax.tree.map(lambda _: replicated, params))
+    merged, notes = state_lib.merge_pretrained(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                                                            params), loaded,
+                                               jax.tree.map(lambda _: replicated, params),
+                                               saved_cfg)
+    assert notes and all("the first 1 of the saved layers (2)" in n for n in notes)
+    stacked = to_layout(saved, True)["encoder"]["encoder"]["layers"]["mlp"]["fc1"]["kernel"]
+    np.testing.assert_array_equal(
+        merged["encoder"]["encoder"]["layers"]["mlp"]["fc1"]["kernel"], stacked[:1])
+    for scan in (False, True):
+        cfg, params = target(num_layers=3, scan_layers=scan)
+        with pytest.raises(ValueError, match=r"would keep a random init: .*Give config\.model the "
+                                             r"pretrained model's values: "
+                                             r"--config\.model\.num_layers=2, or start"):
+            state_lib.check_init_from(folder, params, model_config=cfg)
+    cfg, params = target(type_vocab_size=0)
+    folder0, _, target0 = _text_checkpoint(tmp_path / "v3", type_vocab_size=0)
+    cfg, params = target0(type_vocab_size=2)
+    with pytest.raises(ValueError, match=r"token_type_embeddings'\]\['embedding'\] \(not in "
+                                         r"the checkpoint\).*--config\.model\.type_vocab_size=0"):
+        state_lib.check_init_from(folder0, params, model_config=cfg)
+
+
+@pytest.mark.parametrize("scheme", ["deberta_v2", "bert_rel"])
+def test_a_vit_for_another_grid_or_pooling_gets_the_pretrained_values(tmp_path, scheme):
+    """ViT relative tables whose size follows the grid (DeBERTa's span, by default the grid's
+    side) or the pooling (a [CLS] bucket): the error gives the saved model's values."""
+    pooling = "gap" if scheme == "deberta_v2" else "token"   # DeBERTa: no [CLS]
+    source = syn.tiny_config(**{"model.position_scheme": scheme, "model.image_size": 8,
+                                "model.relative_buckets": 8, "model.relative_max_distance": 8,
+                                "model.pooling": pooling})
+    write_workdir(tmp_path / "source", source)
+    change = ({"model.image_size": 16} if scheme == "deberta_v2" else
+              {"model.pooling": "gap"})
+    config = syn.tiny_config(**{**{k: source.model[k.split(".")[1]] for k in (
+        "model.position_scheme", "model.relative_buckets", "model.relative_max_distance")},
+        "model.image_size": 8, "model.pooling": pooling, **change,
+        "init_from": str(tmp_path / "source")})
+    flag = ("--config.model.max_relative_positions=2" if scheme == "deberta_v2" else
+            "--config.model.pooling=token")
+    with pytest.raises(ValueError, match=re.escape(flag + ", or start without init_from")):
+        loop.prepare(config, tmp_path / "run", training=True)

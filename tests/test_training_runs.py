@@ -310,7 +310,7 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings     # one summary, not one line per parameter
     assert warnings[0].startswith(f"init_from {export}: 3 parameter(s) not loaded as they are "
-                                  "(2 skipped, 1 resampled):")
+                                  "(2 skipped, 1 adapted):")
     assert "['head']['kernel']: shape (16, 6) in the checkpoint, (16, 4) here" in warnings[0]
     q = ("encoder", "layer_0", "attention", "query", "kernel")
     np.testing.assert_array_equal(_get(loaded, q), _get(params, q))
@@ -456,18 +456,26 @@ def test_a_run_started_from_init_from_says_so(tmp_path, capsys):
     assert f"parameters initialised from {export}\n" in capsys.readouterr().out
 
 
-def test_init_from_keeps_a_position_table_it_cannot_map(tmp_path):
-    """[CLS] + 4x4 patches in the checkpoint, patches only here (pooling='gap'): the table is
-    not resampled from a guessed grid; it keeps its init, the rest loads."""
-    source = syn.tiny_config(**{"model.image_size": 16, "model.patch_size": 4})
+@pytest.mark.parametrize("saved_pooling, pooling", [("token", "gap"), ("gap", "token")])
+def test_init_from_matches_the_cls_row_of_a_position_table(tmp_path, saved_pooling, pooling):
+    """[CLS] + 4x4 patches in the checkpoint, patches only here (pooling='gap'), or the reverse:
+    the patch rows load as they are; the [CLS] row is dropped, or comes from the init."""
+    source = syn.tiny_config(**{"model.image_size": 16, "model.patch_size": 4,
+                                "model.pooling": saved_pooling})
     params, export = _export(source, tmp_path)
-    config = syn.tiny_config(**{"model.pooling": "gap", "init_from": str(export)})
+    config = syn.tiny_config(**{"model.image_size": 16, "model.pooling": pooling,
+                                "init_from": str(export)})
     run = loop.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
     loaded = state_lib.load_init_from(state, str(export), run.shardings,
                                       run.task.patch_grid).params
-    np.testing.assert_array_equal(loaded["pos_embedding"], fresh["pos_embedding"])
+    saved_rows, rows = params["pos_embedding"], np.asarray(loaded["pos_embedding"])
+    if pooling == "gap":
+        np.testing.assert_array_equal(rows, saved_rows[:, 1:])
+    else:
+        np.testing.assert_array_equal(rows[:, 1:], saved_rows)
+        np.testing.assert_array_equal(rows[:, :1], fresh["pos_embedding"][:, :1])
     q = ("encoder", "layer_0", "attention", "query", "kernel")
     np.testing.assert_array_equal(_get(loaded, q), _get(params, q))
 

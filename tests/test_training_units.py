@@ -608,7 +608,7 @@ def test_init_from_summary_counts_and_shows_the_first_notes():
     notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")
     text = state_lib.init_from_summary("/ckpt", notes, shown=3)
     assert text.splitlines() == [
-        "init_from /ckpt: 8 parameter(s) not loaded as they are (7 skipped, 1 resampled):",
+        "init_from /ckpt: 8 parameter(s) not loaded as they are (7 skipped, 1 adapted):",
         *(f"  {n}" for n in notes[:3]), "  ... and 5 more"]
 
 

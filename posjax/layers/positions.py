@@ -43,7 +43,8 @@ def deberta_log_bucket(relative_position: np.ndarray, bucket_size: int,
     mid = bucket_size // 2
     abs_pos = np.where((r < mid) & (r > -mid), mid - 1, np.abs(r)).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):   # mid = 1: log(0), unused by the where
-        log_pos = np.ceil(np.log(abs_pos / mid) / np.log((max_position - 1) / mid) * (mid - 1)) + mid
+        log_ratio = np.log(abs_pos / mid) / np.log((max_position - 1) / mid)
+        log_pos = np.ceil(log_ratio * (mid - 1)) + mid
     return np.where(abs_pos <= mid, r, log_pos * np.sign(r)).astype(np.int64)
 
 

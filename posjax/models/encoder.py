@@ -217,8 +217,9 @@ class Encoder(nn.Module):
                      rng: Array | None, first_query: bool = False) -> tuple[Array, Any]:
         """One layer from its params -> (output, its sown intermediates or {})."""
         capture = self.is_mutable_collection("intermediates")
+        rngs = None if rng is None else {"dropout": rng}
         out = self._layer().apply({"params": params}, x_q, x_kv, mask, terms, query_positions,
-                                  train, first_query, rngs=None if rng is None else {"dropout": rng},
+                                  train, first_query, rngs=rngs,
                                   mutable=["intermediates"] if capture else False)
         return out if capture else (out, {})
 

@@ -183,14 +183,18 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     shapes = _flatten(jax.eval_shape(lambda t: to_layout(t, scanned), shapes))
     shapes = encoder_rooted(shapes, target)
     num_prefix_tokens = 1 if "['cls']" in target else 0
+    saved_cls = "['cls']" in shapes
     # The encoder is what a pretrained model is for: a head or a bias that happens to fit
     # alone does not make a checkpoint usable.
     encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
 
     def fits(key: str) -> bool:
-        saved_shape, shape = tuple(shapes[key].shape), tuple(target[key].shape)
-        return saved_shape == shape or _resampling(key, saved_shape, shape, grid,
-                                                   num_prefix_tokens, saved_cfg) is not None
+        saved_shape = _cls_rows_matched_shape(key, tuple(shapes[key].shape), saved_cls,
+                                              bool(num_prefix_tokens))
+        shape = tuple(target[key].shape)
+        return (saved_shape == shape or _first_layers(key, saved_shape, shape)
+                or _resampling(key, saved_shape, shape, grid, num_prefix_tokens,
+                               saved_cfg) is not None)
 
     if not any(key in shapes and fits(key) for key in encoder):
         scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
@@ -199,17 +203,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
             f"encoder{scheme}: give config.model the pretrained model's "
             f"architecture (see {cfg_file.name} there), or start without init_from")
-    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-               for k in target if k in shapes and not fits(k) and not k.startswith(HEAD_ROOTS)
-               and not (grid is not None and _patch_table_prefix(k, num_prefix_tokens) is not None)]
-    if misfits and not whole:
-        fields = sorted({f for k in misfits for f in _shape_fields(k)})
-        raise ValueError(
-            f"init_from={str(path)!r}: {len(misfits)} parameter(s) of the pretrained model's "
-            f"body have other shapes in this model and would keep a random init: "
-            f"{', '.join(misfits[:5])}{f' and {len(misfits) - 5} more' if len(misfits) > 5 else ''}"
-            f". Give config.model the pretrained model's {', '.join(fields)} (see "
-            f"{cfg_file.name} there), or start without init_from")
+    if not whole:
+        _check_body(path, cfg_file, shapes, target, fits, saved_model, model_config)
     if whole:
         not_loaded = [k if k not in shapes else
                       f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
@@ -231,10 +226,65 @@ _SHAPE_FIELDS = (("word_embeddings", ("vocab_size", "embedding_size")),
                  ("['embedding']['kernel']", ("patch_size", "num_channels")))
 
 
-def _shape_fields(key: str) -> tuple[str, ...]:
-    """The config.model fields that set the shape of the parameter ``key``."""
-    return next((fields for part, fields in _SHAPE_FIELDS if part in key),
-                ("hidden_size", "num_heads", "mlp_dim"))
+def _shape_fields(key: str, is_vit: bool) -> tuple[str, ...]:
+    """The config.model fields that set the shape of the parameter ``key`` (or its presence)."""
+    if "['layer_" in key:
+        return ("num_layers",)
+    fields = next((fields for part, fields in _SHAPE_FIELDS if part in key),
+                  ("hidden_size", "num_heads", "mlp_dim"))
+    if "['layers']" in key:
+        fields = ("num_layers", *fields)
+    if is_vit and key.endswith(("['pos_embedding']", "['position_embeddings']", "['rel_bias']")):
+        fields = ("pooling", "image_size", "patch_size", *fields)   # a [CLS] row or bucket
+    return fields
+
+
+def _check_body(path: str | pathlib.Path, cfg_file: pathlib.Path, shapes: dict[str, Any],
+                target: dict[str, Any], fits: Any, saved_model: dict[str, Any],
+                model_config: Any) -> None:
+    """One ValueError when a parameter of this model outside its heads (``HEAD_ROOTS``; and
+    ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
+    layers, token types the checkpoint lacks). The advice gives the pretrained model's values
+    of the fields that set those shapes, where its saved config tells them."""
+    body = [k for k in target if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
+    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+               if k in shapes else f"{k} (not in the checkpoint)"
+               for k in body if not (k in shapes and fits(k))]
+    if not misfits:
+        return
+    is_vit = "['embedding']['kernel']" in target
+    fields = sorted({f for k in body if not (k in shapes and fits(k))
+                     for f in _shape_fields(k, is_vit)})
+    try:
+        saved = type(model_config).from_dict(saved_model) if model_config else None
+    except (ValueError, TypeError):
+        saved = None
+    flags = [f"--config.model.{f}={_flag(getattr(saved, f))}" for f in fields
+             if saved is not None and getattr(saved, f) != getattr(model_config, f)]
+    advice = (f"Give config.model the pretrained model's values: {' '.join(flags)}" if flags
+              else f"Give config.model the pretrained model's {', '.join(fields)} (see "
+                   f"{cfg_file.name} there)")
+    more = f" and {len(misfits) - 5} more" if len(misfits) > 5 else ""
+    raise ValueError(
+        f"init_from={str(path)!r}: {len(misfits)} parameter(s) of this model outside its heads "
+        f"would not load from the pretrained model and would keep a random init: "
+        f"{', '.join(misfits[:5])}{more}. {advice}, or start without init_from")
+
+
+def _cls_rows_matched_shape(key: str, saved_shape: tuple[int, ...], saved_cls: bool,
+                            has_cls: bool) -> tuple[int, ...]:
+    """The shape of a saved ViT ``pos_embedding`` (1, [CLS] + patches, H) once its [CLS] row is
+    dropped (this model pools without [CLS]) or added (this model pools on one)."""
+    if not key.endswith("['pos_embedding']") or saved_cls == has_cls or len(saved_shape) != 3:
+        return saved_shape
+    return (saved_shape[0], saved_shape[1] + int(has_cls) - int(saved_cls), saved_shape[2])
+
+
+def _first_layers(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A scanned layer stack of this model is shallower than the saved one: it takes the
+    first layers, as an unrolled model takes layer_0 … layer_{n-1}."""
+    return ("['layers']" in key and len(saved_shape) == len(shape) and len(shape) > 0
+            and saved_shape[1:] == shape[1:] and saved_shape[0] > shape[0])
 
 
 def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: list[str],
@@ -410,6 +460,7 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     flat_shardings = _flatten(shardings)
     loaded = encoder_rooted(loaded, flat_shardings)
     num_prefix_tokens = 1 if "['cls']" in flat_shardings else 0
+    saved_cls = "['cls']" in loaded
     notes = []
     used = set()
 
@@ -429,6 +480,16 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
                          "no pre_logits (or the reverse); keeps its init")
             return fresh
         old = loaded[key]
+        rows = _cls_rows_matched_shape(key, tuple(old.shape), saved_cls, bool(num_prefix_tokens))
+        if rows != tuple(old.shape):   # a ViT table for another pooling: its [CLS] row
+            old = (old[:, 1:] if saved_cls else
+                   jnp.concatenate([jnp.asarray(fresh[:, :1], old.dtype), old], axis=1))
+            notes.append(f"{key}: [CLS] row {'dropped' if saved_cls else 'from the init'} "
+                         f"(this model pools {'without' if saved_cls else 'on'} [CLS])")
+        if _first_layers(key, tuple(old.shape), tuple(fresh.shape)):
+            notes.append(f"{key}: the first {fresh.shape[0]} of the saved layers "
+                         f"({old.shape[0]})")
+            old = old[:fresh.shape[0]]
         if tuple(old.shape) == tuple(fresh.shape):
             return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
         resampling = _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
@@ -496,11 +557,16 @@ def load_init_from(state: TrainState, path: str, shardings: TrainState,
     return state.replace(params=params)
 
 
+# What merge_pretrained's notes say of a parameter loaded in another form (the others are
+# skipped: kept their init, or ignored).
+ADAPTED_NOTES = ("resampled grid", "of the saved layers", "[CLS] row")
+
+
 def init_from_summary(path: str, notes: list[str], shown: int = 5) -> str:
-    """'init_from P: N parameter(s) not loaded as they are (k skipped, r resampled):' and the
+    """'init_from P: N parameter(s) not loaded as they are (k skipped, a adapted):' and the
     first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened')."""
-    resampled = sum("resampled" in n for n in notes)
+    adapted = sum(any(a in n for a in ADAPTED_NOTES) for n in notes)
     head = (f"init_from {path}: {len(notes)} parameter(s) not loaded as they are "
-            f"({len(notes) - resampled} skipped, {resampled} resampled):")
+            f"({len(notes) - adapted} skipped, {adapted} adapted):")
     more = [f"... and {len(notes) - shown} more"] if len(notes) > shown else []
     return "\n  ".join([head, *notes[:shown], *more])
