@@ -179,7 +179,6 @@ def test_a_shallower_scanned_model_takes_the_first_layers_and_a_deeper_one_is_re
                                              r"pretrained model's values: "
                                              r"--config\.model\.num_layers=2, or start"):
             state_lib.check_init_from(folder, params, model_config=cfg)
-    cfg, params = target(type_vocab_size=0)
     folder0, _, target0 = _text_checkpoint(tmp_path / "v3", type_vocab_size=0)
     cfg, params = target0(type_vocab_size=2)
     with pytest.raises(ValueError, match=r"token_type_embeddings'\]\['embedding'\] \(not in "
@@ -187,22 +186,75 @@ def test_a_shallower_scanned_model_takes_the_first_layers_and_a_deeper_one_is_re
         state_lib.check_init_from(folder0, params, model_config=cfg)
 
 
-@pytest.mark.parametrize("scheme", ["deberta_v2", "bert_rel"])
-def test_a_vit_for_another_grid_or_pooling_gets_the_pretrained_values(tmp_path, scheme):
-    """ViT relative tables whose size follows the grid (DeBERTa's span, by default the grid's
-    side) or the pooling (a [CLS] bucket): the error gives the saved model's values."""
-    pooling = "gap" if scheme == "deberta_v2" else "token"   # DeBERTa: no [CLS]
-    source = syn.tiny_config(**{"model.position_scheme": scheme, "model.image_size": 8,
-                                "model.relative_buckets": 8, "model.relative_max_distance": 8,
-                                "model.pooling": pooling})
+def test_a_vit_for_another_grid_gets_the_pretrained_values(tmp_path):
+    """DeBERTa's relative table on a ViT grid spans the grid's side by default: another
+    image_size is refused with the one flag that fixes it (not image_size, which would undo
+    the new resolution)."""
+    source = syn.tiny_config(**{"model.position_scheme": "deberta_v2", "model.image_size": 8,
+                                "model.pooling": "gap"})
     write_workdir(tmp_path / "source", source)
-    change = ({"model.image_size": 16} if scheme == "deberta_v2" else
-              {"model.pooling": "gap"})
-    config = syn.tiny_config(**{**{k: source.model[k.split(".")[1]] for k in (
-        "model.position_scheme", "model.relative_buckets", "model.relative_max_distance")},
-        "model.image_size": 8, "model.pooling": pooling, **change,
-        "init_from": str(tmp_path / "source")})
-    flag = ("--config.model.max_relative_positions=2" if scheme == "deberta_v2" else
-            "--config.model.pooling=token")
-    with pytest.raises(ValueError, match=re.escape(flag + ", or start without init_from")):
+    config = syn.tiny_config(**{"model.position_scheme": "deberta_v2", "model.image_size": 16,
+                                "model.pooling": "gap", "init_from": str(tmp_path / "source")})
+    with pytest.raises(ValueError, match=re.escape(
+            ". Give config.model the pretrained model's values: "
+            "--config.model.max_relative_positions=2, or start without init_from")):
         loop.prepare(config, tmp_path / "run", training=True)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_layer_of_another_width_is_refused_with_that_width(tmp_path, scan):
+    """Another mlp_dim or num_heads inside the layers (unrolled: layer_N, scanned: layers)
+    is advised as that field, also in a shallower model (which may take the first layers)."""
+    folder, _, target = _text_checkpoint(tmp_path)
+    for changes, flags in (({"mlp_dim": 64}, "--config.model.mlp_dim=32"),
+                           ({"mlp_dim": 64, "num_layers": 1}, "--config.model.mlp_dim=32"),
+                           ({"num_heads": 4}, "--config.model.num_heads=2")):
+        cfg, params = target(scan_layers=scan, **changes)
+        with pytest.raises(ValueError, match=re.escape(
+                f". Give config.model the pretrained model's values: {flags}, or start")):
+            state_lib.check_init_from(folder, params, model_config=cfg)
+
+
+def test_fields_the_saved_config_does_not_hold_are_named_not_guessed(tmp_path):
+    """A model_config.json without vocab_size, or none at all: the advice names the fields
+    instead of giving the dataclass defaults as the pretrained model's values."""
+    folder, _, target = _text_checkpoint(tmp_path)
+    cfg, params = target(vocab_size=48)
+    saved = json.loads((folder / "model_config.json").read_text())
+    del saved["config"]["vocab_size"]
+    (folder / "model_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=re.escape(
+            ". Give config.model the pretrained model's vocab_size (model_config.json there "
+            "does not say it), or start")):
+        state_lib.check_init_from(folder, params, model_config=cfg)
+    (folder / "model_config.json").unlink()
+    with pytest.raises(ValueError, match=re.escape(
+            ". Give config.model the pretrained model's embedding_size, vocab_size (there is "
+            "no model_config.json there to say them), or start")):
+        state_lib.check_init_from(folder, params, model_config=cfg)
+
+
+def test_eval_of_the_weights_as_they_are_drops_no_layer(tmp_path):
+    """eval.py (whole=True) on a model shallower than the checkpoint: refused, with either
+    layer layout (a scanned stack would otherwise take the first layers)."""
+    folder, _, target = _text_checkpoint(tmp_path)
+    for scan in (False, True):
+        cfg, params = target(num_layers=1, scan_layers=scan)
+        with pytest.raises(ValueError, match="eval.py evaluates these weights as they are"):
+            state_lib.check_init_from(folder, params, model_config=cfg, whole=True)
+        state_lib.check_init_from(folder, params, model_config=cfg)   # train.py: first layers
+
+
+def test_a_hybrid_stem_of_another_shape_names_its_fields(tmp_path):
+    source = syn.tiny_config(**{"model.resnet_layers": (1,), "model.resnet_width": 32,
+                                "model.image_size": 16, "model.patch_size": 1})
+    write_workdir(tmp_path / "source", source)
+    for field, value, flag in (("resnet_layers", (2,), '--config.model.resnet_layers="(1,)"'),
+                               ("resnet_width", 64, "--config.model.resnet_width=32")):
+        config = syn.tiny_config(**{"model.resnet_layers": (1,), "model.resnet_width": 32,
+                                    "model.image_size": 16, "model.patch_size": 1,
+                                    f"model.{field}": value,
+                                    "init_from": str(tmp_path / "source")})
+        with pytest.raises(ValueError, match=re.escape(
+                f". Give config.model the pretrained model's values: {flag}, or start")):
+            loop.prepare(config, tmp_path / "run", training=True)

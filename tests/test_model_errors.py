@@ -47,6 +47,9 @@ BAD_CONFIGS = {
     "hybrid stem of width 0": (
         ViTConfig, dict(image_size=64, patch_size=1, resnet_layers=(3,), resnet_width=0),
         ["resnet_width=0", "> 0"]),
+    "hybrid stem width GroupNorm cannot split": (
+        ViTConfig, dict(image_size=64, patch_size=1, resnet_layers=(3,), resnet_width=8),
+        ["resnet_width=8", "multiple of 32"]),
     "EMD with positions added to the input": (
         TextConfig, dict(position_scheme="deberta_v2", use_emd=True, position_biased_input=True),
         ["use_emd=True", "position_biased_input=False"]),

@@ -604,12 +604,15 @@ def test_the_test_split_is_read_once_per_run(tmp_path, monkeypatch):
 
 
 def test_init_from_summary_counts_and_shows_the_first_notes():
-    notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(7)]
-    notes.append("['pos_embedding']: resampled grid (4, 4) -> (2, 2)")
+    notes = [f"['p{i}']: not in the checkpoint, keeps its init (2,)" for i in range(6)]
+    notes += ["['pos_embedding']: [CLS] row dropped (this model pools without [CLS]); "
+              "resampled grid (4, 4) -> (2, 2)",
+              "['encoder']['layers']['fc']: the first 1 of the saved layers (2)",
+              "['cls']: in the checkpoint but not in this model, ignored"]
     text = state_lib.init_from_summary("/ckpt", notes, shown=3)
     assert text.splitlines() == [
-        "init_from /ckpt: 8 parameter(s) not loaded as they are (7 skipped, 1 adapted):",
-        *(f"  {n}" for n in notes[:3]), "  ... and 5 more"]
+        "init_from /ckpt: 9 parameter(s) not loaded as they are (7 skipped, 2 adapted):",
+        *(f"  {n}" for n in notes[:3]), "  ... and 6 more"]
 
 
 def test_a_hybrid_position_table_is_resampled_from_its_real_grid():

@@ -283,6 +283,8 @@ class ViTConfig:
             _check(all(_is_int(n) and n > 0 for n in self.resnet_layers),
                    "resnet_layers", self.resnet_layers, "block counts must be positive ints")
             _check(self.resnet_width > 0, "resnet_width", self.resnet_width, "must be > 0")
+            _check(self.resnet_width % 32 == 0, "resnet_width", self.resnet_width,
+                   "must be a multiple of 32 (the stem's GroupNorms have 32 groups)")
         _check(self.num_classes >= 0, "num_classes", self.num_classes, "must be >= 0")
         _check(self.representation_size >= 0, "representation_size", self.representation_size,
                "must be >= 0")

@@ -192,7 +192,8 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
         saved_shape = _cls_rows_matched_shape(key, tuple(shapes[key].shape), saved_cls,
                                               bool(num_prefix_tokens))
         shape = tuple(target[key].shape)
-        return (saved_shape == shape or _first_layers(key, saved_shape, shape)
+        # Evaluating the weights as they are may not drop saved layers.
+        return (saved_shape == shape or (not whole and _first_layers(key, saved_shape, shape))
                 or _resampling(key, saved_shape, shape, grid, num_prefix_tokens,
                                saved_cfg) is not None)
 
@@ -204,8 +205,9 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"encoder{scheme}: give config.model the pretrained model's "
             f"architecture (see {cfg_file.name} there), or start without init_from")
     if not whole:
-        _check_body(path, cfg_file, shapes, target, fits, saved_model, model_config)
-    if whole:
+        _check_body(path, cfg_file, shapes, target, fits, saved_model, model_config,
+                    missing_are_defaults=cfg_file.name == "config.json")
+    else:
         not_loaded = [k if k not in shapes else
                       f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
                       for k in target if not (k in shapes and fits(k))]
@@ -223,61 +225,107 @@ _SHAPE_FIELDS = (("word_embeddings", ("vocab_size", "embedding_size")),
                  ("token_type_embeddings", ("type_vocab_size",)),
                  ("rel_embeddings", ("max_relative_positions", "position_buckets")),
                  ("relative_bias", ("relative_buckets",)),
+                 ("['resnet']", ("resnet_layers", "resnet_width")),
                  ("['embedding']['kernel']", ("patch_size", "num_channels")))
+_WIDTH_FIELDS = ("hidden_size", "num_heads", "mlp_dim")
 
 
-def _shape_fields(key: str, is_vit: bool) -> tuple[str, ...]:
-    """The config.model fields that set the shape of the parameter ``key`` (or its presence)."""
-    if "['layer_" in key:
-        return ("num_layers",)
-    fields = next((fields for part, fields in _SHAPE_FIELDS if part in key),
-                  ("hidden_size", "num_heads", "mlp_dim"))
-    if "['layers']" in key:
-        fields = ("num_layers", *fields)
-    if is_vit and key.endswith(("['pos_embedding']", "['position_embeddings']", "['rel_bias']")):
-        fields = ("pooling", "image_size", "patch_size", *fields)   # a [CLS] row or bucket
+def _shape_fields(key: str, saved_shape: tuple[int, ...] | None, shape: tuple[int, ...],
+                  target: dict[str, Any]) -> tuple[str, ...]:
+    """The config.model fields that set the shape of the parameter ``key`` of this model
+    (``shape``; ``target``: all its parameters), saved with ``saved_shape`` (None: not saved)."""
+    if "['layer_" in key and saved_shape is None:
+        return ("num_layers",)   # a layer the checkpoint does not have
+    is_vit = "['embedding']['kernel']" in target
+    if is_vit and key.endswith(("['pos_embedding']", "['tupe_bias']['position_embeddings']")):
+        fields = ("image_size", "patch_size", "hidden_size")   # a grid it could not resample
+    else:
+        fields = next((f for part, f in _SHAPE_FIELDS if part in key), _WIDTH_FIELDS)
+    if key == "['embedding']['kernel']" and any(k.startswith("['resnet']") for k in target):
+        fields = (*fields, "resnet_width")   # its input channels are the stem's output
+    if "['layers']" in key and saved_shape is not None and saved_shape[:1] < shape[:1]:
+        fields = ("num_layers", *fields)   # a deeper scanned stack
     return fields
 
 
 def _check_body(path: str | pathlib.Path, cfg_file: pathlib.Path, shapes: dict[str, Any],
                 target: dict[str, Any], fits: Any, saved_model: dict[str, Any],
-                model_config: Any) -> None:
+                model_config: Any, missing_are_defaults: bool = False) -> None:
     """One ValueError when a parameter of this model outside its heads (``HEAD_ROOTS``; and
     ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
     layers, token types the checkpoint lacks). The advice gives the pretrained model's values
-    of the fields that set those shapes, where its saved config tells them."""
+    of the fields that set those shapes where its saved config holds them (all of them for a
+    train.py ``config.json``, ``missing_are_defaults``), else the fields' names."""
     body = [k for k in target if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
-    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-               if k in shapes else f"{k} (not in the checkpoint)"
-               for k in body if not (k in shapes and fits(k))]
-    if not misfits:
+    bad = [k for k in body if not (k in shapes and fits(k))]
+    if not bad:
         return
-    is_vit = "['embedding']['kernel']" in target
-    fields = sorted({f for k in body if not (k in shapes and fits(k))
-                     for f in _shape_fields(k, is_vit)})
+    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+               if k in shapes else f"{k} (not in the checkpoint)" for k in bad]
+    fields = sorted({f for k in bad for f in _shape_fields(
+        k, tuple(shapes[k].shape) if k in shapes else None, tuple(target[k].shape), target)
+        if hasattr(model_config, f) or model_config is None})
     try:
         saved = type(model_config).from_dict(saved_model) if model_config else None
     except (ValueError, TypeError):
         saved = None
-    flags = [f"--config.model.{f}={_flag(getattr(saved, f))}" for f in fields
-             if saved is not None and getattr(saved, f) != getattr(model_config, f)]
-    advice = (f"Give config.model the pretrained model's values: {' '.join(flags)}" if flags
-              else f"Give config.model the pretrained model's {', '.join(fields)} (see "
-                   f"{cfg_file.name} there)")
+    known = [f for f in fields if saved is not None and (missing_are_defaults or f in saved_model)]
+    flags = [f"--config.model.{f}={_flag(getattr(saved, f))}" for f in known
+             if getattr(saved, f) != getattr(model_config, f)]
+    unknown = [f for f in fields if f not in known]
+    where = (f"{cfg_file.name} there does not say" if cfg_file.is_file()
+             else f"there is no {cfg_file.name} there to say")
+    whose = "its" if flags else "the pretrained model's"
+    pronoun = "it" if len(unknown) == 1 else "them"
+    parts = ([f"the pretrained model's values: {' '.join(flags)}"] if flags else []) + (
+        [f"{whose} {', '.join(unknown)} ({where} {pronoun})"] if unknown else [])
+    # No parts: the saved values agree, yet the shapes differ.
+    advice = " and ".join(parts) or f"the pretrained model's architecture (see {cfg_file.name})"
     more = f" and {len(misfits) - 5} more" if len(misfits) > 5 else ""
     raise ValueError(
         f"init_from={str(path)!r}: {len(misfits)} parameter(s) of this model outside its heads "
         f"would not load from the pretrained model and would keep a random init: "
-        f"{', '.join(misfits[:5])}{more}. {advice}, or start without init_from")
+        f"{', '.join(misfits[:5])}{more}. Give config.model {advice}, or start without "
+        "init_from")
+
+
+def _cls_row(key: str, ndim: int) -> tuple[int, int] | None:
+    """(axis, index) of the [CLS] row of a ViT position parameter ``key`` with ``ndim`` axes:
+    ``pos_embedding`` (1, [CLS] + patches, H) row 0; TUPE's ``position_embeddings``
+    (1 + [CLS] + patches, H) row 1; a relative-bias ``rel_bias`` (axes, buckets + [CLS], h)
+    the last bucket. None for any other parameter."""
+    if key.endswith("['pos_embedding']") and ndim == 3:
+        return 1, 0
+    if key.endswith("['tupe_bias']['position_embeddings']") and ndim == 2:
+        return 0, 1
+    if key.endswith("['rel_bias']") and ndim == 3:
+        return 1, -1
+    return None
 
 
 def _cls_rows_matched_shape(key: str, saved_shape: tuple[int, ...], saved_cls: bool,
                             has_cls: bool) -> tuple[int, ...]:
-    """The shape of a saved ViT ``pos_embedding`` (1, [CLS] + patches, H) once its [CLS] row is
-    dropped (this model pools without [CLS]) or added (this model pools on one)."""
-    if not key.endswith("['pos_embedding']") or saved_cls == has_cls or len(saved_shape) != 3:
+    """The shape of a saved ViT position parameter (``_cls_row``) once its [CLS] row is dropped
+    (this model pools without [CLS]) or added (this model pools on one)."""
+    row = _cls_row(key, len(saved_shape))
+    if row is None or saved_cls == has_cls:
         return saved_shape
-    return (saved_shape[0], saved_shape[1] + int(has_cls) - int(saved_cls), saved_shape[2])
+    axis = row[0]
+    return (*saved_shape[:axis], saved_shape[axis] + int(has_cls) - int(saved_cls),
+            *saved_shape[axis + 1:])
+
+
+def _match_cls_rows(key: str, old: Any, fresh: Any, saved_cls: bool) -> Any:
+    """``old`` (a saved ViT position parameter, ``_cls_row``) without its [CLS] row
+    (``saved_cls``), or with this model's initial one (``fresh``'s) inserted."""
+    axis, index = _cls_row(key, old.ndim)
+    if saved_cls:
+        return jnp.delete(jnp.asarray(old), index % old.shape[axis], axis=axis)
+    index %= fresh.shape[axis]
+    cls = jax.lax.slice_in_dim(jnp.asarray(fresh, old.dtype), index, index + 1, axis=axis)
+    return jnp.concatenate([jax.lax.slice_in_dim(jnp.asarray(old), 0, index, axis=axis), cls,
+                            jax.lax.slice_in_dim(jnp.asarray(old), index, None, axis=axis)],
+                           axis=axis)
 
 
 def _first_layers(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -451,7 +499,9 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     is ViT's ``pos_embedding`` (1, P + gh·gw, H), whose [CLS] row (P = 1 when the model has a
     ``cls`` parameter) is kept, and TUPE's ``position_embeddings`` (1 + P + gh·gw, H), whose
     extra first row is kept too. The old grid comes from the pretrained model config, else
-    it must be square.
+    it must be square. A ViT position table saved for another pooling first loses its [CLS]
+    row, or gets this model's initial one (``_cls_row``); a scanned layer stack shallower than
+    the saved one takes its first layers.
     Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init,
     and so does a ``head`` that read ``pre_logits`` features in one model and not in the other
     (a ViT fine-tuned without the pre-training representation layer gets a fresh head).
@@ -481,26 +531,27 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
             return fresh
         old = loaded[key]
         rows = _cls_rows_matched_shape(key, tuple(old.shape), saved_cls, bool(num_prefix_tokens))
+        adapted = []   # what was done to the saved value, in order
         if rows != tuple(old.shape):   # a ViT table for another pooling: its [CLS] row
-            old = (old[:, 1:] if saved_cls else
-                   jnp.concatenate([jnp.asarray(fresh[:, :1], old.dtype), old], axis=1))
-            notes.append(f"{key}: [CLS] row {'dropped' if saved_cls else 'from the init'} "
-                         f"(this model pools {'without' if saved_cls else 'on'} [CLS])")
+            old = _match_cls_rows(key, old, fresh, saved_cls)
+            adapted.append(f"[CLS] row {'dropped' if saved_cls else 'from the init'} "
+                           f"(this model pools {'without' if saved_cls else 'on'} [CLS])")
         if _first_layers(key, tuple(old.shape), tuple(fresh.shape)):
-            notes.append(f"{key}: the first {fresh.shape[0]} of the saved layers "
-                         f"({old.shape[0]})")
+            adapted.append(f"the first {fresh.shape[0]} of the saved layers ({old.shape[0]})")
             old = old[:fresh.shape[0]]
-        if tuple(old.shape) == tuple(fresh.shape):
-            return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
-        resampling = _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
-                                 pretrained_config)
+        resampling = (None if tuple(old.shape) == tuple(fresh.shape) else
+                      _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
+                                  pretrained_config))
         if resampling is not None:
             old_grid, prefix = resampling
-            table = resample_position_table(jnp.asarray(old), old_grid, grid,
-                                            num_prefix_tokens=prefix)
-            notes.append(f"{key}: resampled grid {old_grid} -> {grid}")
-            return jax.device_put(table.astype(fresh.dtype), flat_shardings[key])
-        notes.append(f"{key}: shape {tuple(old.shape)} in the checkpoint, "
+            old = resample_position_table(jnp.asarray(old), old_grid, grid,
+                                          num_prefix_tokens=prefix)
+            adapted.append(f"resampled grid {old_grid} -> {grid}")
+        if tuple(old.shape) == tuple(fresh.shape):
+            if adapted:
+                notes.append(f"{key}: " + "; ".join(adapted))
+            return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
+        notes.append(f"{key}: shape {tuple(loaded[key].shape)} in the checkpoint, "
                      f"{tuple(fresh.shape)} here; keeps its init")
         return fresh
 
@@ -557,15 +608,16 @@ def load_init_from(state: TrainState, path: str, shardings: TrainState,
     return state.replace(params=params)
 
 
-# What merge_pretrained's notes say of a parameter loaded in another form (the others are
-# skipped: kept their init, or ignored).
-ADAPTED_NOTES = ("resampled grid", "of the saved layers", "[CLS] row")
+# What merge_pretrained's note says of a parameter that kept its init, or was ignored; its
+# other notes say how a saved parameter was adapted.
+SKIPPED_NOTES = ("keeps its init", "ignored")
 
 
 def init_from_summary(path: str, notes: list[str], shown: int = 5) -> str:
     """'init_from P: N parameter(s) not loaded as they are (k skipped, a adapted):' and the
-    first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened')."""
-    adapted = sum(any(a in n for a in ADAPTED_NOTES) for n in notes)
+    first ``shown`` notes, one per line (``merge_pretrained``'s 'name: what happened', one
+    per parameter)."""
+    adapted = sum(not any(s in n for s in SKIPPED_NOTES) for n in notes)
     head = (f"init_from {path}: {len(notes)} parameter(s) not loaded as they are "
             f"({len(notes) - adapted} skipped, {adapted} adapted):")
     more = [f"... and {len(notes) - shown} more"] if len(notes) > shown else []
