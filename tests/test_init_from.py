@@ -232,6 +232,14 @@ def test_fields_the_saved_config_does_not_hold_are_named_not_guessed(tmp_path):
             ". Give config.model the pretrained model's embedding_size, vocab_size (there is "
             "no model_config.json there to say them), or start")):
         state_lib.check_init_from(folder, params, model_config=cfg)
+    # A train.py workdir leaves out fields at their defaults, but only in a config.json.
+    write_workdir(tmp_path / "run", syn.tiny_config(**{"model.patch_size": 2}))
+    (tmp_path / "run" / "config.json").unlink()
+    with pytest.raises(ValueError, match=re.escape(
+            ". Give config.model the pretrained model's num_channels, patch_size (there is no "
+            "config.json there to say them), or start")):
+        loop.prepare(syn.tiny_config(init_from=str(tmp_path / "run")), tmp_path / "new",
+                     training=True)
 
 
 def test_eval_of_the_weights_as_they_are_drops_no_layer(tmp_path):
@@ -240,7 +248,10 @@ def test_eval_of_the_weights_as_they_are_drops_no_layer(tmp_path):
     folder, _, target = _text_checkpoint(tmp_path)
     for scan in (False, True):
         cfg, params = target(num_layers=1, scan_layers=scan)
-        with pytest.raises(ValueError, match="eval.py evaluates these weights as they are"):
+        with pytest.raises(ValueError, match=r"eval.py evaluates these weights as they are, "
+                                             r"but .*\. Give config\.model the pretrained "
+                                             r"model's values: --config\.model\.num_layers=2, "
+                                             r"or train with train\.py"):
             state_lib.check_init_from(folder, params, model_config=cfg, whole=True)
         state_lib.check_init_from(folder, params, model_config=cfg)   # train.py: first layers
 

@@ -164,9 +164,9 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     saved_model = _saved_model_config(saved_cfg)
     with_pooler = "pooler" in saved   # a text classifier's: its activation then matters
     # A train.py run left out only fields at their defaults; a model_config.json may be partial.
+    missing_are_defaults = cfg_file.name == "config.json" and cfg_file.is_file()
     mismatches = (function_mismatches(saved_model, model_config, with_pooler,
-                                      missing_are_defaults=cfg_file.name == "config.json",
-                                      heads=whole)
+                                      missing_are_defaults=missing_are_defaults, heads=whole)
                   if model_config else [])
     if mismatches:
         theirs = ", ".join(f"{f}={value!r}" for f, value, _ in mismatches)
@@ -204,14 +204,22 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
             f"encoder{scheme}: give config.model the pretrained model's "
             f"architecture (see {cfg_file.name} there), or start without init_from")
+    def advice(keys: list[str]) -> str:   # what to give config.model for these misfits
+        return _advice(sorted({f for k in keys for f in _shape_fields(
+            k, tuple(shapes[k].shape) if k in shapes else None,
+            tuple(target[k].shape) if k in target else None, target, whole)
+            if model_config is None or hasattr(model_config, f)}),
+            cfg_file, saved_model, model_config, missing_are_defaults)
+
     if not whole:
-        _check_body(path, cfg_file, shapes, target, fits, saved_model, model_config,
-                    missing_are_defaults=cfg_file.name == "config.json")
+        _check_body(path, shapes, target, fits, advice)
     else:
-        not_loaded = [k if k not in shapes else
-                      f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-                      for k in target if not (k in shapes and fits(k))]
-        _check_whole(path, cfg_file, not_loaded, sorted(set(shapes) - set(target)))
+        bad = [k for k in target if not (k in shapes and fits(k))]
+        left_over = sorted(set(shapes) - set(target))
+        body = [k for k in bad + left_over if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
+        _check_whole(path, cfg_file, [k if k not in shapes else f"{k} (saved "
+                                      f"{tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+                                      for k in bad], left_over, advice(body) if body else None)
 
 
 # Parameters a fine-tuning run may re-initialise (another number of classes, a new pooler):
@@ -230,12 +238,14 @@ _SHAPE_FIELDS = (("word_embeddings", ("vocab_size", "embedding_size")),
 _WIDTH_FIELDS = ("hidden_size", "num_heads", "mlp_dim")
 
 
-def _shape_fields(key: str, saved_shape: tuple[int, ...] | None, shape: tuple[int, ...],
-                  target: dict[str, Any]) -> tuple[str, ...]:
-    """The config.model fields that set the shape of the parameter ``key`` of this model
-    (``shape``; ``target``: all its parameters), saved with ``saved_shape`` (None: not saved)."""
-    if "['layer_" in key and saved_shape is None:
-        return ("num_layers",)   # a layer the checkpoint does not have
+def _shape_fields(key: str, saved_shape: tuple[int, ...] | None,
+                  shape: tuple[int, ...] | None, target: dict[str, Any],
+                  whole: bool = False) -> tuple[str, ...]:
+    """The config.model fields that set the shape of the parameter ``key``, saved with
+    ``saved_shape`` and ``shape`` in this model (None: absent on that side; ``target``: all
+    this model's parameters). ``whole``: every saved layer must load (eval.py)."""
+    if "['layer_" in key and (saved_shape is None or shape is None):
+        return ("num_layers",)   # a layer only one side has
     is_vit = "['embedding']['kernel']" in target
     if is_vit and key.endswith(("['pos_embedding']", "['tupe_bias']['position_embeddings']")):
         fields = ("image_size", "patch_size", "hidden_size")   # a grid it could not resample
@@ -243,28 +253,18 @@ def _shape_fields(key: str, saved_shape: tuple[int, ...] | None, shape: tuple[in
         fields = next((f for part, f in _SHAPE_FIELDS if part in key), _WIDTH_FIELDS)
     if key == "['embedding']['kernel']" and any(k.startswith("['resnet']") for k in target):
         fields = (*fields, "resnet_width")   # its input channels are the stem's output
-    if "['layers']" in key and saved_shape is not None and saved_shape[:1] < shape[:1]:
-        fields = ("num_layers", *fields)   # a deeper scanned stack
+    if "['layers']" in key and saved_shape is not None and shape is not None and (
+            saved_shape[:1] < shape[:1] or (whole and saved_shape[:1] != shape[:1])):
+        fields = ("num_layers", *fields)   # a deeper scanned stack (or any other depth)
     return fields
 
 
-def _check_body(path: str | pathlib.Path, cfg_file: pathlib.Path, shapes: dict[str, Any],
-                target: dict[str, Any], fits: Any, saved_model: dict[str, Any],
-                model_config: Any, missing_are_defaults: bool = False) -> None:
-    """One ValueError when a parameter of this model outside its heads (``HEAD_ROOTS``; and
-    ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
-    layers, token types the checkpoint lacks). The advice gives the pretrained model's values
-    of the fields that set those shapes where its saved config holds them (all of them for a
-    train.py ``config.json``, ``missing_are_defaults``), else the fields' names."""
-    body = [k for k in target if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
-    bad = [k for k in body if not (k in shapes and fits(k))]
-    if not bad:
-        return
-    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-               if k in shapes else f"{k} (not in the checkpoint)" for k in bad]
-    fields = sorted({f for k in bad for f in _shape_fields(
-        k, tuple(shapes[k].shape) if k in shapes else None, tuple(target[k].shape), target)
-        if hasattr(model_config, f) or model_config is None})
+def _advice(fields: list[str], cfg_file: pathlib.Path, saved_model: dict[str, Any],
+            model_config: Any, missing_are_defaults: bool) -> str:
+    """What to give config.model so that parameters shaped by ``fields`` load: "the pretrained
+    model's values: --config.model.F=V ..." where the saved config (``saved_model``, from
+    ``cfg_file``) holds them (all fields for a train.py ``config.json``,
+    ``missing_are_defaults``), else the fields' names."""
     try:
         saved = type(model_config).from_dict(saved_model) if model_config else None
     except (ValueError, TypeError):
@@ -273,19 +273,34 @@ def _check_body(path: str | pathlib.Path, cfg_file: pathlib.Path, shapes: dict[s
     flags = [f"--config.model.{f}={_flag(getattr(saved, f))}" for f in known
              if getattr(saved, f) != getattr(model_config, f)]
     unknown = [f for f in fields if f not in known]
-    where = (f"{cfg_file.name} there does not say" if cfg_file.is_file()
-             else f"there is no {cfg_file.name} there to say")
-    whose = "its" if flags else "the pretrained model's"
     pronoun = "it" if len(unknown) == 1 else "them"
+    where = (f"there is no {cfg_file.name} there to say {pronoun}" if not cfg_file.is_file()
+             else f"{cfg_file.name} there does not say {pronoun}" if saved is not None
+             else f"see {cfg_file.name} there, which is not a config of this kind of model")
+    whose = "its" if flags else "the pretrained model's"
     parts = ([f"the pretrained model's values: {' '.join(flags)}"] if flags else []) + (
-        [f"{whose} {', '.join(unknown)} ({where} {pronoun})"] if unknown else [])
+        [f"{whose} {', '.join(unknown)} ({where})"] if unknown else [])
     # No parts: the saved values agree, yet the shapes differ.
-    advice = " and ".join(parts) or f"the pretrained model's architecture (see {cfg_file.name})"
+    return " and ".join(parts) or f"the pretrained model's architecture (see {cfg_file.name})"
+
+
+def _check_body(path: str | pathlib.Path, shapes: dict[str, Any], target: dict[str, Any],
+                fits: Any, advice: Any) -> None:
+    """One ValueError when a parameter of this model outside its heads (``HEAD_ROOTS``; and
+    ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
+    layers, token types the checkpoint lacks); ``advice(keys)`` says what to give
+    config.model (``_advice``)."""
+    body = [k for k in target if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
+    bad = [k for k in body if not (k in shapes and fits(k))]
+    if not bad:
+        return
+    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
+               if k in shapes else f"{k} (not in the checkpoint)" for k in bad]
     more = f" and {len(misfits) - 5} more" if len(misfits) > 5 else ""
     raise ValueError(
         f"init_from={str(path)!r}: {len(misfits)} parameter(s) of this model outside its heads "
         f"would not load from the pretrained model and would keep a random init: "
-        f"{', '.join(misfits[:5])}{more}. Give config.model {advice}, or start without "
+        f"{', '.join(misfits[:5])}{more}. Give config.model {advice(bad)}, or start without "
         "init_from")
 
 
@@ -336,10 +351,11 @@ def _first_layers(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...]
 
 
 def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: list[str],
-                 left_over: list[str], shown: int = 5) -> None:
+                 left_over: list[str], body_advice: str | None, shown: int = 5) -> None:
     """One ValueError when evaluating the weights at ``path`` as they are would run parameters
     they do not hold (``not_loaded``: random init) or leave some of theirs out (``left_over``,
-    e.g. a pre_logits layer the head reads)."""
+    e.g. a pre_logits layer the head reads, or layers). ``body_advice``: what to give
+    config.model where the misfits are not all in the heads (``_advice``)."""
     if not (not_loaded or left_over):
         return
     parts = [f"{len(keys)} parameter(s) {what}: {', '.join(keys[:shown])}"
@@ -347,11 +363,12 @@ def _check_whole(path: str | pathlib.Path, cfg_file: pathlib.Path, not_loaded: l
              for keys, what in ((not_loaded, "of this model would keep a random init"),
                                 (left_over, "of the checkpoint would be left out"))
              if keys]
+    advice = (f"Give config.model {body_advice}, or train" if body_advice else
+              f"Give config.model the pretrained model's heads (see {cfg_file.name} there: "
+              "num_classes / num_labels, pooling, representation_size), or fine-tune them")
     raise ValueError(
         f"init_from={str(path)!r}: eval.py evaluates these weights as they are, but "
-        + "; ".join(parts) + f". Give config.model the pretrained model's heads (see "
-        f"{cfg_file.name} there: num_classes / num_labels, pooling, representation_size), "
-        "or fine-tune them with train.py")
+        + "; ".join(parts) + f". {advice} with train.py")
 
 
 def _resampling(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
