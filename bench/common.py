@@ -213,6 +213,7 @@ def environment() -> dict[str, str]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
+        **_cpu_generation(),
         "cores": str(os.cpu_count()),
         "jax": jax.__version__,
         "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
@@ -223,6 +224,34 @@ def environment() -> dict[str, str]:
             info[mod] = __import__(mod).__version__
         except ImportError:
             pass
+    return info
+
+
+# Vector extensions that set a CPU's matmul speed, so runs on one "AMD EPYC" can be told
+# apart (a Zen 5 multiplies fp32 twice as fast in XLA as an older one: BENCHMARKS.md, run P).
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def _cpu_generation(cpuinfo: str | None = None) -> dict[str, str]:
+    """{'cpu_family_model': 'F/M', 'cpu_simd': 'avx2 fma ...'} of the first CPU in
+    /proc/cpuinfo (``cpuinfo``: its text), the entries it does not say left out."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {}
+    fields = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    info = {}
+    if "cpu family" in fields and "model" in fields:
+        info["cpu_family_model"] = f"{fields['cpu family']}/{fields['model']}"
+    if "flags" in fields:
+        flags = set(fields["flags"].split())
+        info["cpu_simd"] = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + \
+            " ".join(SIMD_FLAGS)
     return info
 
 

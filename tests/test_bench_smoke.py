@@ -12,7 +12,7 @@ import pytest
 
 from bench import run as bench_run
 from bench.attention import VARIANTS, max_abs_difference, settings
-from bench.common import Budget, Progress, Scale
+from bench.common import Budget, Progress, Scale, _cpu_generation
 from bench.workloads import forward_flops, throughput_workloads
 
 
@@ -325,3 +325,15 @@ def test_the_bench_turns_off_a_persistent_compilation_cache(tmp_path):
         cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
         env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}, timeout=120)
     assert done.returncode == 0 and done.stdout == "False\n", done.stderr[-2000:]
+
+
+def test_the_environment_tells_cpu_generations_apart():
+    """Two CPUs both named 'AMD EPYC' differ in family/model and vector extensions."""
+    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\n"
+               "flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16\n\n"
+               "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\nflags\t\t: avx2\n")
+    assert _cpu_generation(cpuinfo) == {"cpu_family_model": "26/2",
+                                        "cpu_simd": "avx2 fma avx512f avx512_bf16"}
+    assert _cpu_generation("processor\t: 0\nflags\t\t: sse2\n") == {
+        "cpu_simd": "none of avx2 fma avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile"}
+    assert _cpu_generation("") == {}
