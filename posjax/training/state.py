@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
@@ -204,6 +204,7 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
             f"init_from={str(path)!r}: none of its {len(shapes)} parameters fits this model's "
             f"encoder{scheme}: give config.model the pretrained model's "
             f"architecture (see {cfg_file.name} there), or start without init_from")
+
     def advice(keys: list[str]) -> str:   # what to give config.model for these misfits
         return _advice(sorted({f for k in keys for f in _shape_fields(
             k, tuple(shapes[k].shape) if k in shapes else None,
@@ -285,7 +286,7 @@ def _advice(fields: list[str], cfg_file: pathlib.Path, saved_model: dict[str, An
 
 
 def _check_body(path: str | pathlib.Path, shapes: dict[str, Any], target: dict[str, Any],
-                fits: Any, advice: Any) -> None:
+                fits: Callable[[str], bool], advice: Callable[[list[str]], str]) -> None:
     """One ValueError when a parameter of this model outside its heads (``HEAD_ROOTS``; and
     ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
     layers, token types the checkpoint lacks); ``advice(keys)`` says what to give
