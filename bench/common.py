@@ -212,8 +212,7 @@ def environment() -> dict[str, str]:
     info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
-        **_cpu_generation(),
+        **_cpu_description(),
         "cores": str(os.cpu_count()),
         "jax": jax.__version__,
         "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
@@ -232,35 +231,25 @@ def environment() -> dict[str, str]:
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
-def _cpu_generation(cpuinfo: str | None = None) -> dict[str, str]:
-    """{'cpu_family_model': 'F/M', 'cpu_simd': 'avx2 fma ...'} of the first CPU in
-    /proc/cpuinfo (``cpuinfo``: its text), the entries it does not say left out."""
+def _cpu_description(cpuinfo: str | None = None) -> dict[str, str]:
+    """{'cpu_model': name, 'cpu_family_model': 'F/M', 'cpu_simd': 'avx2 fma ...'} of the first
+    CPU in /proc/cpuinfo (``cpuinfo``: its text); the family and extensions are left out where
+    it does not say them."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            return {}
+            cpuinfo = ""
     fields = {}
     for line in cpuinfo.split("\n\n")[0].splitlines():
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
-    info = {}
+    info = {"cpu_model": fields.get("model name") or platform.processor() or "unknown"}
     if "cpu family" in fields and "model" in fields:
         info["cpu_family_model"] = f"{fields['cpu family']}/{fields['model']}"
     if "flags" in fields:
         flags = set(fields["flags"].split())
-        info["cpu_simd"] = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + \
-            " ".join(SIMD_FLAGS)
+        info["cpu_simd"] = (" ".join(f for f in SIMD_FLAGS if f in flags)
+                            or "none of " + " ".join(SIMD_FLAGS))
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

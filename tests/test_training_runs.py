@@ -165,8 +165,9 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
         "a pre_logits layer": ({"model.representation_size": 8}, 0, re.escape(
             "eval.py evaluates these weights as they are, but 3 parameter(s) of this model "
             "would keep a random init: ['head']['kernel'] (saved (16, 4), here (8, 4)), "
-            "['pre_logits']['bias'], "
-            "['pre_logits']['kernel']. Give config.model the pretrained model's heads")),
+            "['pre_logits']['bias'] (not in the checkpoint), "
+            "['pre_logits']['kernel'] (not in the checkpoint). Give config.model the "
+            "pretrained model's heads")),
         "another pooling": ({"model.pooling": "gap"}, 0, re.escape(
             "has pooling='token' where this run's config.model has pooling='gap'")),
         "a step": ({}, 2, r"step=2: .*holds no saved step; without --step eval.py evaluates "

@@ -189,13 +189,12 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     encoder = [k for k in target if k.startswith("['encoder']")] or list(target)
 
     def fits(key: str) -> bool:
-        saved_shape = _cls_rows_matched_shape(key, tuple(shapes[key].shape), saved_cls,
-                                              bool(num_prefix_tokens))
-        shape = tuple(target[key].shape)
+        if tuple(shapes[key].shape) == tuple(target[key].shape):
+            return True
         # Evaluating the weights as they are may not drop saved layers.
-        return (saved_shape == shape or (not whole and _first_layers(key, saved_shape, shape))
-                or _resampling(key, saved_shape, shape, grid, num_prefix_tokens,
-                               saved_cfg) is not None)
+        return jax.eval_shape(lambda old, fresh: _adapted(
+            key, old, fresh, saved_cls, num_prefix_tokens, grid, saved_cfg,
+            first_layers=not whole)[0], shapes[key], target[key]) is not None
 
     if not any(key in shapes and fits(key) for key in encoder):
         scheme = (f" (its position_scheme is {saved_model['position_scheme']!r})"
@@ -217,10 +216,9 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     else:
         bad = [k for k in target if not (k in shapes and fits(k))]
         left_over = sorted(set(shapes) - set(target))
-        body = [k for k in bad + left_over if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
-        _check_whole(path, cfg_file, [k if k not in shapes else f"{k} (saved "
-                                      f"{tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-                                      for k in bad], left_over, advice(body) if body else None)
+        body = [k for k in bad + left_over if _in_body(k)]
+        _check_whole(path, cfg_file, [_misfit(k, shapes, target) for k in bad], left_over,
+                     advice(body) if body else None)
 
 
 # Parameters a fine-tuning run may re-initialise (another number of classes, a new pooler):
@@ -291,12 +289,10 @@ def _check_body(path: str | pathlib.Path, shapes: dict[str, Any], target: dict[s
     ViT's [CLS] token) would not load from the checkpoint: another shape, or none there (more
     layers, token types the checkpoint lacks); ``advice(keys)`` says what to give
     config.model (``_advice``)."""
-    body = [k for k in target if not k.startswith(HEAD_ROOTS) and k != "['cls']"]
-    bad = [k for k in body if not (k in shapes and fits(k))]
+    bad = [k for k in target if _in_body(k) and not (k in shapes and fits(k))]
     if not bad:
         return
-    misfits = [f"{k} (saved {tuple(shapes[k].shape)}, here {tuple(target[k].shape)})"
-               if k in shapes else f"{k} (not in the checkpoint)" for k in bad]
+    misfits = [_misfit(k, shapes, target) for k in bad]
     more = f" and {len(misfits) - 5} more" if len(misfits) > 5 else ""
     raise ValueError(
         f"init_from={str(path)!r}: {len(misfits)} parameter(s) of this model outside its heads "
@@ -319,16 +315,17 @@ def _cls_row(key: str, ndim: int) -> tuple[int, int] | None:
     return None
 
 
-def _cls_rows_matched_shape(key: str, saved_shape: tuple[int, ...], saved_cls: bool,
-                            has_cls: bool) -> tuple[int, ...]:
-    """The shape of a saved ViT position parameter (``_cls_row``) once its [CLS] row is dropped
-    (this model pools without [CLS]) or added (this model pools on one)."""
-    row = _cls_row(key, len(saved_shape))
-    if row is None or saved_cls == has_cls:
-        return saved_shape
-    axis = row[0]
-    return (*saved_shape[:axis], saved_shape[axis] + int(has_cls) - int(saved_cls),
-            *saved_shape[axis + 1:])
+def _in_body(key: str) -> bool:
+    """Whether parameter ``key`` must load for a fine-tuning run: not a head (``HEAD_ROOTS``)
+    and not ViT's [CLS] token."""
+    return not key.startswith(HEAD_ROOTS) and key != "['cls']"
+
+
+def _misfit(key: str, shapes: dict[str, Any], target: dict[str, Any]) -> str:
+    """``key`` with its saved and its shape here, or that the checkpoint lacks it."""
+    if key not in shapes:
+        return f"{key} (not in the checkpoint)"
+    return f"{key} (saved {tuple(shapes[key].shape)}, here {tuple(target[key].shape)})"
 
 
 def _match_cls_rows(key: str, old: Any, fresh: Any, saved_cls: bool) -> Any:
@@ -342,6 +339,33 @@ def _match_cls_rows(key: str, old: Any, fresh: Any, saved_cls: bool) -> Any:
     return jnp.concatenate([jax.lax.slice_in_dim(jnp.asarray(old), 0, index, axis=axis), cls,
                             jax.lax.slice_in_dim(jnp.asarray(old), index, None, axis=axis)],
                            axis=axis)
+
+
+def _adapted(key: str, old: Any, fresh: Any, saved_cls: bool, num_prefix_tokens: int,
+             grid: tuple[int, int] | None, pretrained_config: dict[str, Any],
+             first_layers: bool = True) -> tuple[Any, list[str]]:
+    """(``old``, the saved value of ``key``, in the shape of this model's ``fresh``, or None
+    where it cannot be; what was done to it). In this order: a ViT position parameter saved for
+    another pooling (``saved_cls``: the checkpoint has a [CLS] token) loses its [CLS] row or
+    gets ``fresh``'s (``_cls_row``); a deeper scanned stack gives its first layers
+    (``first_layers``); a patch-position table is resampled to ``grid`` (``_resampling``).
+    Traceable, so that ``jax.eval_shape`` tells from shapes alone whether a parameter loads."""
+    done = []
+    if _cls_row(key, old.ndim) is not None and saved_cls != bool(num_prefix_tokens):
+        old = _match_cls_rows(key, old, fresh, saved_cls)
+        done.append(f"[CLS] row {'dropped' if saved_cls else 'from the init'} "
+                    f"(this model pools {'without' if saved_cls else 'on'} [CLS])")
+    if first_layers and _first_layers(key, tuple(old.shape), tuple(fresh.shape)):
+        done.append(f"the first {fresh.shape[0]} of the saved layers ({old.shape[0]})")
+        old = old[:fresh.shape[0]]
+    resampling = (None if tuple(old.shape) == tuple(fresh.shape) else
+                  _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
+                              pretrained_config))
+    if resampling is not None:
+        old_grid, prefix = resampling
+        old = resample_position_table(jnp.asarray(old), old_grid, grid, num_prefix_tokens=prefix)
+        done.append(f"resampled grid {old_grid} -> {grid}")
+    return (old if tuple(old.shape) == tuple(fresh.shape) else None), done
 
 
 def _first_layers(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -518,8 +542,8 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
     ``cls`` parameter) is kept, and TUPE's ``position_embeddings`` (1 + P + gh·gw, H), whose
     extra first row is kept too. The old grid comes from the pretrained model config, else
     it must be square. A ViT position table saved for another pooling first loses its [CLS]
-    row, or gets this model's initial one (``_cls_row``); a scanned layer stack shallower than
-    the saved one takes its first layers.
+    row, or gets this model's initial one; a scanned layer stack shallower than the saved one
+    takes its first layers (``_adapted``, which ``check_init_from`` runs on shapes).
     Any other shape mismatch (e.g. a new ``num_classes`` head) or absence keeps the fresh init,
     and so does a ``head`` that read ``pre_logits`` features in one model and not in the other
     (a ViT fine-tuned without the pre-training representation layer gets a fresh head).
@@ -547,28 +571,12 @@ def merge_pretrained(params: Any, loaded: dict[str, Any], shardings: Any,
             notes.append(f"{key}: read pre_logits features in the checkpoint, this model has "
                          "no pre_logits (or the reverse); keeps its init")
             return fresh
-        old = loaded[key]
-        rows = _cls_rows_matched_shape(key, tuple(old.shape), saved_cls, bool(num_prefix_tokens))
-        adapted = []   # what was done to the saved value, in order
-        if rows != tuple(old.shape):   # a ViT table for another pooling: its [CLS] row
-            old = _match_cls_rows(key, old, fresh, saved_cls)
-            adapted.append(f"[CLS] row {'dropped' if saved_cls else 'from the init'} "
-                           f"(this model pools {'without' if saved_cls else 'on'} [CLS])")
-        if _first_layers(key, tuple(old.shape), tuple(fresh.shape)):
-            adapted.append(f"the first {fresh.shape[0]} of the saved layers ({old.shape[0]})")
-            old = old[:fresh.shape[0]]
-        resampling = (None if tuple(old.shape) == tuple(fresh.shape) else
-                      _resampling(key, old.shape, fresh.shape, grid, num_prefix_tokens,
-                                  pretrained_config))
-        if resampling is not None:
-            old_grid, prefix = resampling
-            old = resample_position_table(jnp.asarray(old), old_grid, grid,
-                                          num_prefix_tokens=prefix)
-            adapted.append(f"resampled grid {old_grid} -> {grid}")
-        if tuple(old.shape) == tuple(fresh.shape):
-            if adapted:
-                notes.append(f"{key}: " + "; ".join(adapted))
-            return jax.device_put(jnp.asarray(old, fresh.dtype), flat_shardings[key])
+        value, done = _adapted(key, loaded[key], fresh, saved_cls, num_prefix_tokens, grid,
+                               pretrained_config)
+        if value is not None:
+            if done:
+                notes.append(f"{key}: " + "; ".join(done))
+            return jax.device_put(jnp.asarray(value, fresh.dtype), flat_shardings[key])
         notes.append(f"{key}: shape {tuple(loaded[key].shape)} in the checkpoint, "
                      f"{tuple(fresh.shape)} here; keeps its init")
         return fresh
