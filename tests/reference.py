@@ -123,14 +123,12 @@ def t5_bias(table: np.ndarray, coords: list[np.ndarray], num_buckets: int, max_d
 
 
 def deberta_log_bucket(r: np.ndarray, buckets: int, max_position: int) -> np.ndarray:
-    """DeBERTa-v2 log buckets of r = i − j (official code: r clamped to ±(max_position − 1)).
+    """DeBERTa-v2 log buckets of r = i − j (transformers: r is not clamped first).
 
     mid = buckets/2; |r| <= mid unchanged, else sign(r)·(mid + ceil(log(|r|/mid) /
-    log((max_position − 1)/mid) · (mid − 1))). Evaluated in that order (the official one): at
-    |r| = max_position − 1 the ratio is exactly 1, while (mid − 1)·log(…)/log(…) can land one
-    ulp above mid − 1, which ceil would turn into the next bucket.
+    log((max_position − 1)/mid) · (mid − 1))), also for |r| beyond max_position.
     """
-    r = np.clip(np.asarray(r, dtype=np.int64), -(max_position - 1), max_position - 1)
+    r = np.asarray(r, dtype=np.int64)
     mid = buckets // 2
     out = r.copy()
     far = np.abs(r) > mid

@@ -121,9 +121,7 @@ def test_cli_pooling_first_for_big_vision_pool_type_0(tmp_path, capsys):
 
 def test_train_workdir_exported_for_transformers(tmp_path):
     """A fine-tuned GLUE run (train.py layout: config.json with task/model, and
-    checkpoints/<step>/state holding the train state) is served by transformers. Sequences stay
-    shorter than max_relative_positions: beyond it posjax follows the official clamp of i - j
-    before log bucketing and HF does not (DESIGN.md §3.3)."""
+    checkpoints/<step>/state holding the train state) is served by transformers."""
     from posjax.convert import expected_params
     from test_convert_hf import random_params, text_batch
     model_cfg = dict(position_scheme="deberta_v2", vocab_size=30, hidden_size=16, num_heads=2,

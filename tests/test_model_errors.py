@@ -61,12 +61,9 @@ BAD_CONFIGS = {
     "unknown DeBERTa position term": (TextConfig, dict(position_scheme="deberta",
                                                        pos_att_type=("c2p", "p2p")),
                                       ["pos_att_type=('c2p', 'p2p')", "c2p", "p2c"]),
-    "odd position buckets": (TextConfig, dict(position_scheme="deberta_v2", position_buckets=7),
-                             ["position_buckets=7", "even"]),
-    "position buckets beyond max_relative_positions": (
-        TextConfig, dict(position_scheme="deberta_v2", position_buckets=64,
-                         max_relative_positions=32),
-        ["position_buckets=64", "max_relative_positions=32"]),
+    "one position bucket (transformers divides by zero)": (
+        TextConfig, dict(position_scheme="deberta_v2", position_buckets=1),
+        ["position_buckets=1", ">= 2"]),
     "odd T5 buckets": (TextConfig, dict(position_scheme="tupe_r", relative_buckets=31),
                        ["relative_buckets=31", "even"]),
     "unknown gather": (TextConfig, dict(position_scheme="deberta", gather="scatter"),
@@ -102,7 +99,7 @@ BAD_CONFIGS = {
     "log buckets with no range to spread over": (
         TextConfig, dict(position_scheme="deberta_v2", position_buckets=2,
                          max_relative_positions=2),
-        ["position_buckets=2", "max_relative_positions - 1=1"]),
+        ["max_relative_positions=2", "position_buckets // 2 = 1", "log("]),
     "hybrid stem depth as a number": (ViTConfig, dict(resnet_layers=3),
                                       ["resnet_layers=3", "tuple"]),
 }

@@ -21,7 +21,7 @@ from posjax.models.layout import to_layout
 TOL = 1e-5
 VOCAB = 40
 SHORT = (24, 19, 5, 0)    # lengths per row: full, padded, short, fully padded (L = 24)
-LONG = (40, 33, 7, 0)     # L = 40: DeBERTa-v2 log buckets and clamping beyond max_position
+LONG = (40, 33, 7, 0)     # L = 40: DeBERTa-v2 log buckets beyond max_position (32)
 
 
 def text_config(scheme: str, **overrides) -> TextConfig:
@@ -96,8 +96,10 @@ def test_reference_buckets_match_hand_computed_values():
     np.testing.assert_array_equal(ref.t5_bucket(rel, 32, 128),
                                   [0, 1, 7, 8, 9, 15, 15, 17, 25, 31])
     # DeBERTa-v2, 8 buckets / max 32: mid 4; 5 -> 4 + ceil(3·log(5/4)/log(31/4)) = 5, …
-    r = np.array([0, 4, -4, 5, 10, 31, 39, -39])
-    np.testing.assert_array_equal(ref.deberta_log_bucket(r, 8, 32), [0, 4, -4, 5, 6, 7, 7, -7])
+    # Beyond max_position nothing is clamped: 39 -> 4 + ceil(3·log(39/4)/log(31/4)) = 8.
+    r = np.array([0, 4, -4, 5, 10, 31, 39, -39, 130])
+    np.testing.assert_array_equal(ref.deberta_log_bucket(r, 8, 32),
+                                  [0, 4, -4, 5, 6, 7, 8, -8, 10])
 
 
 @pytest.mark.parametrize("buckets,max_distance", [(32, 128), (16, 20), (8, 8), (6, 40)])
@@ -186,6 +188,50 @@ DEBERTA_V2 = {
 @pytest.mark.parametrize("name", list(DEBERTA_V2))
 def test_deberta_v2_matches_reference(name):
     check(f"deberta {name}", text_config("deberta_v2", **DEBERTA_V2[name]), LONG)
+
+
+# --- every scheme below, at and above each of its limits ----------------------------------------
+
+def _limit_lengths(limit: int) -> list[int]:
+    return sorted({max(limit - 1, 1), limit, limit + 1, 2 * limit + 3})
+
+
+LIMITS = {   # name: (config, the limit the sequence lengths straddle)
+    "bert_rel T5 max_distance": (text_config("bert_rel", relative_buckets=8,
+                                             relative_max_distance=6, max_position_embeddings=16), 6),
+    "tupe_r T5 max_distance": (text_config("tupe_r", relative_buckets=8, relative_max_distance=6,
+                                           max_position_embeddings=16), 6),
+    "tupe_a table rows": (text_config("tupe_a", max_position_embeddings=9), 9),
+    "bert_abs_d table rows": (text_config("bert_abs_d", max_position_embeddings=9), 9),
+    "deberta v1 span": (text_config("deberta", max_relative_positions=6, type_vocab_size=0,
+                                    max_position_embeddings=16, position_biased_input=False,
+                                    use_emd=True), 6),
+    "deberta_v2 buckets": (text_config("deberta_v2", position_buckets=6,
+                                       max_relative_positions=12, max_position_embeddings=32,
+                                       position_biased_input=False, use_emd=True), 6),
+    "deberta_v2 max_relative_positions": (text_config(
+        "deberta_v2", position_buckets=6, max_relative_positions=12, max_position_embeddings=32,
+        position_biased_input=False, use_emd=True, gather="shift"), 12),
+}
+
+
+@pytest.mark.parametrize("name", list(LIMITS))
+def test_every_scheme_at_its_limits_matches_reference(name):
+    """Lengths limit − 1, limit, limit + 1 and 2·limit + 3 (capped by the absolute table):
+    hidden states and MLM/EMD logits against the float64 reference."""
+    cfg, limit = LIMITS[name]
+    for length in _limit_lengths(limit):
+        if length > (cfg.max_position_embeddings or length):
+            continue
+        check(f"{name} L={length}", cfg, (length, max(length - 2, 1), min(3, length), 0))
+
+
+def test_absolute_tables_refuse_longer_sequences():
+    """One row past the table: a clear error, not a silent clamp of the position index."""
+    for scheme in ("bert_abs", "tupe_a", "bert_abs_d"):
+        cfg = text_config(scheme, max_position_embeddings=9)
+        with pytest.raises(ValueError, match="sequence length 10 exceeds max_position_embeddings=9"):
+            mlm_error(cfg, (10, 8, 3, 0))
 
 
 # --- classification head -------------------------------------------------------------------------

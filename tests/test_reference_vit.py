@@ -60,6 +60,17 @@ VIT_CASES = {
     "deberta_v2 map share_att_key norm_rel_ebd": vit_config(
         "deberta_v2", pooling="map", position_buckets=4, max_relative_positions=6,
         share_att_key=True, norm_rel_ebd=True),
+    # Grids past every relative limit (8 x 6 patches: distances up to 7 per axis).
+    "bert_rel token grid 8x6 past max_distance 3": vit_config(
+        "bert_rel", image_size=(32, 24), relative_buckets=4, relative_max_distance=3),
+    "tupe_r gap grid 8x6 past max_distance 3": vit_config(
+        "tupe_r", pooling="gap", image_size=(32, 24), relative_buckets=4,
+        relative_max_distance=3),
+    "deberta_v2 gap grid 8x6 past buckets 4 and max_relative_positions 6": vit_config(
+        "deberta_v2", pooling="gap", image_size=(32, 24), position_buckets=4,
+        max_relative_positions=6, share_att_key=True),
+    "deberta gap grid 8x6 at k=7 (one side) and past it (other)": vit_config(
+        "deberta", pooling="gap", image_size=(32, 20), max_relative_positions=7),
     "scan_layers tupe_r token": vit_config("tupe_r", num_layers=3, scan_layers=True),
     "scan_layers bert_rel first": vit_config("bert_rel", pooling="first", num_layers=3,
                                              scan_layers=True),

@@ -17,9 +17,9 @@ Checkpoint layouts handled (names as in the files users download):
 - ``mask_predictions.*`` (the v3 replaced-token-detection head) has no posjax module: dropped
   with a warning.
 
-Outputs match transformers except where posjax follows the official code on purpose: EMD for
-MLM (above), and v2 log buckets clamp i − j to ±(max_relative_positions − 1) first, which only
-matters for sequences longer than max_relative_positions (512 in the released models).
+Outputs match transformers at every sequence length (v2 log buckets as transformers computes
+them: i − j is not clamped first; tests/test_lengths_hf.py), except where posjax follows the
+official code on purpose: EMD for MLM (above).
 """
 from __future__ import annotations
 

@@ -34,18 +34,28 @@ def t5_relative_bucket(relative_position: np.ndarray, num_buckets: int = 32,
 
 def deberta_log_bucket(relative_position: np.ndarray, bucket_size: int,
                        max_position: int) -> np.ndarray:
-    """DeBERTa-v2 log bucketing of ``r = i - j`` (official code: clamp to ±(max_position-1) first).
+    """DeBERTa-v2 log bucketing of ``r = i - j``, as transformers computes it (no clamp of r).
 
-    With mid = bucket_size/2: |r| <= mid kept; larger |r| -> sign(r) * (ceil(log(|r|/mid) /
-    log((max_position-1)/mid) * (mid-1)) + mid).
+    With mid = bucket_size//2: |r| <= mid kept; larger |r| -> sign(r) * (ceil(log(|r|/mid) /
+    log((max_position-1)/mid) * (mid-1)) + mid), for every r: distances beyond max_position
+    keep growing past mid - 1 log steps (the final clamp to the 2·span table rows is
+    ``deberta_relative_index``'s). transformers and the original official numpy code do not
+    clamp r first (a later official version clamps it to ±(max_position-1); the two differ only
+    for sequences longer than max_position, and imported checkpoints must reproduce
+    transformers). Evaluated in float32 in transformers' order (its ``abs_pos / mid`` is a
+    float32 tensor), so that ceil falls on the same side of an integer as in transformers: in
+    float64, 19 of 1,331 (bucket_size, max_position) pairs tried differ from it somewhere within
+    4·max_position, in float32 three, each a pair with max_position - 1 < 2·mid on an exact tie.
     """
-    r = np.clip(np.asarray(relative_position, dtype=np.int64), -(max_position - 1), max_position - 1)
+    r = np.asarray(relative_position, dtype=np.int64)
     mid = bucket_size // 2
-    abs_pos = np.where((r < mid) & (r > -mid), mid - 1, np.abs(r)).astype(np.float64)
+    abs_pos = np.where((r < mid) & (r > -mid), mid - 1, np.abs(r)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):   # mid = 1: log(0), unused by the where
-        log_ratio = np.log(abs_pos / mid) / np.log((max_position - 1) / mid)
-        log_pos = np.ceil(log_ratio * (mid - 1)) + mid
-    return np.where(abs_pos <= mid, r, log_pos * np.sign(r)).astype(np.int64)
+        log_ratio = (np.log(abs_pos / np.float32(mid))
+                     / np.log(np.float32((max_position - 1) / mid)))
+        log_pos = np.ceil(log_ratio * np.float32(mid - 1)) + np.float32(mid)
+        bucket = np.where(abs_pos <= mid, r, log_pos * np.sign(r))
+    return bucket.astype(np.int64)
 
 
 def deberta_relative_index(query_positions: np.ndarray, key_positions: np.ndarray, span: int,

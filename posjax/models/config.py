@@ -92,13 +92,19 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
         _check(c.position_buckets >= 0, "position_buckets", c.position_buckets,
                "must be >= 0 (0 disables log bucketing)")
         if c.position_buckets:
-            _check(c.position_buckets % 2 == 0 and c.position_buckets <= c.max_relative_positions,
-                   "position_buckets", c.position_buckets,
-                   f"must be even and <= max_relative_positions={c.max_relative_positions}")
-            # The log buckets divide by log((max_relative_positions - 1) / (buckets / 2)).
-            _check(c.position_buckets // 2 < c.max_relative_positions - 1, "position_buckets",
-                   c.position_buckets, "half of it must be below max_relative_positions - 1="
-                   f"{c.max_relative_positions - 1} (the log buckets need a range to spread over)")
+            # Every value transformers computes a bucket for is accepted (odd counts, more
+            # buckets than max_relative_positions); refused are the two it cannot: mid = 0
+            # divides by zero, and log((max_relative_positions - 1) / mid) = 0 makes every
+            # |i - j| > mid an infinite bucket (cast to an integer, which is undefined).
+            _check(c.position_buckets >= 2, "position_buckets", c.position_buckets,
+                   "must be 0 (no log buckets) or >= 2: the log buckets divide by "
+                   "position_buckets // 2")
+            _check(c.max_relative_positions - 1 != c.position_buckets // 2,
+                   "max_relative_positions", c.max_relative_positions,
+                   f"max_relative_positions - 1 must differ from position_buckets // 2 = "
+                   f"{c.position_buckets // 2}: the log buckets divide by log((max_relative_"
+                   "positions - 1) / (position_buckets // 2)), which is then 0, so every "
+                   "distance beyond it has no bucket")
     if c.position_scheme in ("bert_rel", "tupe_r"):
         _check(c.relative_buckets >= 4 and c.relative_buckets % 2 == 0, "relative_buckets",
                c.relative_buckets, "must be an even number >= 4")
