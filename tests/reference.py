@@ -155,14 +155,82 @@ def deberta_span(cfg) -> int:
     return cfg.max_relative_positions
 
 
+def rotation_matrices(coords: list[np.ndarray], positioned: np.ndarray, head_dim: int,
+                      base: float) -> np.ndarray:
+    """RoPE as one (d, d) rotation matrix per token -> (L, d, d).
+
+    The d features split into one chunk of m = d/A per position axis a; in chunk a, feature i
+    and feature i + m/2 (i < m/2) turn by θ = c_a · base^(−2i/m) in their plane:
+    [x_i, x_{i+m/2}] -> [x_i cos θ − x_{i+m/2} sin θ, x_{i+m/2} cos θ + x_i sin θ].
+    A token without a position ([CLS]) keeps the identity.
+    """
+    length, axes = len(coords[0]), len(coords)
+    m = head_dim // axes
+    out = np.zeros((length, head_dim, head_dim))
+    for t in range(length):
+        r = np.eye(head_dim)
+        if positioned[t]:
+            for a in range(axes):
+                for i in range(m // 2):
+                    theta = coords[a][t] * base ** (-2.0 * i / m)
+                    u, w = a * m + i, a * m + i + m // 2
+                    r[u, u], r[u, w] = math.cos(theta), -math.sin(theta)
+                    r[w, u], r[w, w] = math.sin(theta), math.cos(theta)
+        out[t] = r
+    return out
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """Press et al. 2022: n = 2^k heads get 2^(−8·1/n), 2^(−8·2/n), …, 2^(−8); other n take the
+    slopes of the power of two just below n, then the odd-numbered ones of twice that power."""
+    def powers(n):
+        return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    p = 1
+    while p * 2 <= num_heads:
+        p *= 2
+    return np.array(powers(p) + powers(2 * p)[0::2][: num_heads - p])
+
+
+def alibi(num_heads: int, coords: list[np.ndarray], positioned: np.ndarray) -> np.ndarray:
+    """(h, L, L): −slope_h · Σ_a |c_a[i] − c_a[j]| per pair, 0 where either token is [CLS]."""
+    slopes = alibi_slopes(num_heads)
+    length = len(coords[0])
+    bias = np.zeros((num_heads, length, length))
+    for i in range(length):
+        for j in range(length):
+            if positioned[i] and positioned[j]:
+                distance = sum(abs(int(c[i]) - int(c[j])) for c in coords)
+                bias[:, i, j] = -slopes * distance
+    return bias
+
+
+def sincos_2d(grid: tuple[int, int], width: int) -> np.ndarray:
+    """big_vision's 2D sin-cos table (gh·gw, width): patch (y, x) gets, for k < width/4 and
+    ω_k = 10000^(−k/(width/4 − 1)), sin(xω_k), cos(xω_k), sin(yω_k), cos(yω_k) in four blocks."""
+    q = width // 4
+    table = np.zeros((grid[0] * grid[1], width))
+    for n in range(grid[0] * grid[1]):
+        y, x = divmod(n, grid[1])
+        for k in range(q):
+            w = 10000.0 ** (-k / (q - 1))
+            table[n, k], table[n, q + k] = math.sin(x * w), math.cos(x * w)
+            table[n, 2 * q + k], table[n, 3 * q + k] = math.sin(y * w), math.cos(y * w)
+    return table
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
 
 def dot_product_attention(p: Params, x_q: np.ndarray, x_kv: np.ndarray, visible: np.ndarray,
-                          scale: float, bias: np.ndarray | None) -> np.ndarray:
-    """softmax(q·k · scale + bias, masked) v, projected: (B, Lq, H)."""
+                          scale: float, bias: np.ndarray | None,
+                          rotation: np.ndarray | None = None) -> np.ndarray:
+    """softmax(q·k · scale + bias, masked) v, projected: (B, Lq, H); with ``rotation`` (L, d, d)
+    token t's query and key are R_t q and R_t k (RoPE)."""
     q, k, v = linear(x_q, p["query"]), linear(x_kv, p["key"]), linear(x_kv, p["value"])
+    if rotation is not None:
+        q = np.einsum("tde,bthe->bthd", rotation[: q.shape[1]], q)
+        k = np.einsum("tde,bthe->bthd", rotation[: k.shape[1]], k)
     logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if bias is not None:
         logits = logits + bias
@@ -270,6 +338,12 @@ def position_terms(p_enc: Params, cfg, length: int, coords: list[np.ndarray],
                 + p["query_for_words"]["bias"],
                 "position_key": np.tensordot(pos, p["key_for_words"]["kernel"], axes=1)
                 + p["key_for_words"]["bias"]}
+    positioned = np.ones(length, bool)
+    positioned[0] = not (has_cls and is_grid)   # a grid's [CLS] has no position
+    if scheme == "rope":
+        return {"rotation": rotation_matrices(coords, positioned, cfg.head_dim, cfg.rope_base)}
+    if scheme == "alibi":
+        return {"bias": alibi(cfg.num_heads, coords, positioned)}
     if scheme in ("bert_rel", "tupe_r"):
         cls_first = has_cls and (is_grid or (scheme == "tupe_r" and not cfg.tie_cls))
         rel = t5_bias(p_enc["relative_bias"]["rel_bias"], coords, cfg.relative_buckets,
@@ -290,7 +364,7 @@ def attention(p: Params, cfg, x_q: np.ndarray, x_kv: np.ndarray, visible: np.nda
         return four_term_attention(p, cfg, x_q, x_kv, visible, terms)
     factor = 2 if cfg.position_scheme in ("tupe_a", "tupe_r") else 1
     return dot_product_attention(p, x_q, x_kv, visible, 1 / math.sqrt(factor * cfg.head_dim),
-                                 terms.get("bias"))
+                                 terms.get("bias"), terms.get("rotation"))
 
 
 def post_ln_layer(p: Params, cfg, x_q, x_kv, visible, terms, query_coords, key_coords):
@@ -463,6 +537,8 @@ def vit(p: Params, cfg, images: np.ndarray) -> np.ndarray:
         rows, cols = np.concatenate([[0], rows]), np.concatenate([[0], cols])
     if cfg.position_scheme in ("vit", "bert_abs", "bert_rel"):
         x = x + p["pos_embedding"]
+    if cfg.position_scheme == "sincos2d":   # patches only: [CLS] gets no position
+        x[:, int(has_cls):] = x[:, int(has_cls):] + sincos_2d((gh, gw), x.shape[-1])
     coords = [rows, cols]
     terms = position_terms(p["encoder"], cfg, x.shape[1], coords, has_cls, is_grid=True)
     visible = np.ones((1, 1, x.shape[1], x.shape[1]), bool)

@@ -50,6 +50,10 @@ TEXT_CASES = {
     "bert_abs 1 layer": text("bert_abs", num_layers=1),
     "tupe_r remat": text("tupe_r", remat=True),
     "bert_abs_d": text("bert_abs_d"),
+    "rope": text("rope"),
+    "rope remat": text("rope", remat=True),
+    "alibi": text("alibi"),
+    "nope": text("nope"),
 }
 VIT_CASES = {
     "vit": vit("vit"),
@@ -57,6 +61,9 @@ VIT_CASES = {
     "vit bert_rel": vit("bert_rel"),
     "vit tupe_a": vit("tupe_a"),
     "vit bert_abs_d": vit("bert_abs_d"),
+    "vit rope": vit("rope"),
+    "vit alibi": vit("alibi"),
+    "vit sincos2d": vit("sincos2d"),
 }
 
 

@@ -47,6 +47,9 @@ SCHEMES = {
     "deberta_v2": text_config("deberta_v2", position_buckets=8, max_relative_positions=16,
                               position_biased_input=False, share_att_key=True,
                               norm_rel_ebd=True, conv_kernel_size=3, use_emd=True),
+    "rope": text_config("rope", max_position_embeddings=0),
+    "alibi": text_config("alibi", max_position_embeddings=0),
+    "nope": text_config("nope", max_position_embeddings=0),
 }
 
 
@@ -66,7 +69,7 @@ def _shifted(tokens: dict, shift: int) -> dict:
     return {k: np.roll(v, shift, axis=1) for k, v in tokens.items()}
 
 
-@pytest.mark.parametrize("scheme", ["deberta", "deberta_v2"])
+@pytest.mark.parametrize("scheme", ["deberta", "deberta_v2", "rope", "alibi", "nope"])
 def test_relative_only_schemes_are_shift_equivariant(scheme):
     """Without absolute positions, moving the real tokens by s moves the outputs by s."""
     cfg = text_config(scheme, max_relative_positions=8, max_position_embeddings=0,
@@ -235,6 +238,13 @@ MODELS = {
     # TUPE table + T5 table, factorised embeddings, pooler and classifier.
     "tupe_r classification": (TextForSequenceClassification, text_config(
         "tupe_r", embedding_size=16)),
+    # RoPE on queries and keys, the MLM head.
+    "rope masked LM": (TextForMaskedLM, text_config("rope", max_position_embeddings=0)),
+    # ALiBi's fixed per-head slopes on a grid, average pooling.
+    "vit alibi gap": (ViT, _vit(position_scheme="alibi", pooling="gap", num_classes=4)),
+    # Axial 2D RoPE with an unrotated [CLS]; the fixed 2D sin-cos table.
+    "vit rope token": (ViT, _vit(position_scheme="rope", num_classes=4)),
+    "vit sincos2d token": (ViT, _vit(position_scheme="sincos2d")),
     # ResNet stem (one stage: root conv, projected bottleneck unit), TUPE + 2D T5, MAP head.
     "vit hybrid tupe_r map pre_logits": (ViT, _vit(
         position_scheme="tupe_r", image_size=8, patch_size=1, resnet_layers=(1,),
@@ -274,12 +284,16 @@ def sharded_apply(model: nn.Module, inputs: dict, params: dict):
     return out, shardings
 
 
-def test_sharded_forward_equals_single_device():
-    name = "deberta_v2 EMD masked LM"   # disentangled attention, conv, EMD gathers, tied head
+@pytest.mark.parametrize("name", ["deberta_v2 EMD masked LM", "rope masked LM", "vit alibi gap",
+                                  "vit rope token"])
+def test_sharded_forward_equals_single_device(name):
+    """DeBERTa: disentangled attention, conv, EMD gathers, tied head; RoPE, ALiBi: the new
+    position terms under heads split over the tensor axis."""
     model, inputs, params = model_and_inputs(name)
     single = np.asarray(model.apply(params, **inputs))
     out, shardings = sharded_apply(model, inputs, params)
-    layer = shardings["params"]["encoder"]["encoder"]["layer_0"]["attention"]
+    encoder = shardings["params"]["encoder"]
+    layer = encoder.get("encoder", encoder)["layer_0"]["attention"]
     assert layer["query"]["kernel"].spec == PartitionSpec("fsdp", "tensor", None)
     assert layer["out"]["kernel"].spec == PartitionSpec("tensor", None, "fsdp")
     assert len(out.sharding.device_set) == 8
@@ -303,8 +317,9 @@ def test_every_parameter_receives_a_gradient(name):
     assert all(np.all(np.isfinite(np.asarray(g))) for _, g in flat)
 
 
-def test_bf16_forward_is_close_to_fp32():
-    name = "deberta_v2 EMD masked LM"
+@pytest.mark.parametrize("name", ["deberta_v2 EMD masked LM", "rope masked LM", "vit alibi gap",
+                                  "vit rope token", "vit sincos2d token"])
+def test_bf16_forward_is_close_to_fp32(name):
     model, inputs, params = model_and_inputs(name)
     fp32 = np.asarray(model.apply(params, **inputs))
     bf16_model = type(model)(dataclasses.replace(model.cfg, dtype="bfloat16"))

@@ -139,6 +139,25 @@ def test_bert_tupe_match_reference(name):
     check(name, BERT_TUPE[name])
 
 
+# --- today's baselines: RoPE, ALiBi, NoPE (no table: any length) ---------------------------------
+
+MODERN = {
+    "rope": text_config("rope"),
+    "rope base 100 remat": text_config("rope", rope_base=100.0, remat=True),
+    "rope scan_layers": text_config("rope", num_layers=3, scan_layers=True),
+    "alibi": text_config("alibi"),
+    "alibi 6 heads (slopes of 4, then every other of 8)": text_config(
+        "alibi", hidden_size=48, num_heads=6),
+    "nope": text_config("nope", max_position_embeddings=0),
+}
+
+
+@pytest.mark.parametrize("name", list(MODERN))
+def test_modern_schemes_match_reference(name):
+    check(name, MODERN[name])
+    check(f"{name} (L = 40, longer than max_position_embeddings)", MODERN[name], LONG)
+
+
 # --- DeBERTa v1 ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gather", ["take", "onehot", "shift", "skew"])

@@ -147,6 +147,23 @@ def content_logits(query: Array, key: Array, scale: float) -> Array:
                       preferred_element_type=jnp.float32) * scale
 
 
+def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate each token's per-head features by its position (RoPE, half-split pairing).
+
+    x: (B, L, h, d); cos, sin: (L', A, m/2) with L' >= L (rows 0…L−1 are used), A·m = d
+    (``positions.rotary_angles``). Per chunk a: out[i] = x[i]·cos − x[i + m/2]·sin and
+    out[i + m/2] = x[i + m/2]·cos + x[i]·sin.
+    """
+    b, length, h, d = x.shape
+    axes, half = cos.shape[1], cos.shape[2]
+    pairs = x.reshape(b, length, h, axes, 2, half)
+    first, second = pairs[..., 0, :], pairs[..., 1, :]            # (B, L, h, A, m/2)
+    c = cos[None, :length, None].astype(x.dtype)
+    s = sin[None, :length, None].astype(x.dtype)
+    out = jnp.stack([first * c - second * s, second * c + first * s], axis=-2)
+    return out.reshape(x.shape)
+
+
 def mixed_logits(word: Array, positions: Array, scale: float, word_is_query: bool) -> Array:
     """A word/position correlation term * scale -> fp32 (B, h, Lq, Lk): word (B, L, h, d) against
     positions (L', h, d), one table shared by the whole batch. word_is_query: (x_i W)(p_j U)ᵀ,
@@ -161,6 +178,9 @@ class MultiHeadAttention(nn.Module):
 
     ``bias``: any additive term broadcastable to (B, h, Lq, Lk) — T5 buckets, TUPE's positional
     correlation — computed once by the encoder and shared by all layers.
+
+    ``rotary`` (cos, sin), each (L, A, m/2): RoPE on queries and keys (``apply_rotary``), rows
+    0…Lq−1 for the queries and 0…Lk−1 for the keys.
 
     ``position_key`` (Lk, h, d) / ``position_query`` (Lq, h, d), both or neither: BERT-A-d's
     mixed terms (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ, scaled like q·k. The position
@@ -178,7 +198,8 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
                  bias: Array | None = None, position_query: Array | None = None,
-                 position_key: Array | None = None, train: bool = False) -> Array:
+                 position_key: Array | None = None,
+                 rotary: tuple[Array, Array] | None = None, train: bool = False) -> Array:
         """x_q (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk) -> (B, Lq, H)."""
         check_attention_inputs(x_q, x_kv, mask)
         if (position_query is None) != (position_key is None):
@@ -196,6 +217,8 @@ class MultiHeadAttention(nn.Module):
             return dense(hd, names, name=name, dtype=self.dtype, use_bias=self.qkv_bias)(x)
 
         q, k, v = project("query", x_q), project("key", x_kv), project("value", x_kv)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         logits = content_logits(q, k, self.logit_scale)
         if position_key is not None:
             logits = logits + mixed_logits(project("query_for_positions", x_q), position_key,

@@ -1,6 +1,7 @@
 """Additive position terms computed once per forward and shared by every layer.
 
 * ``T5RelativeBias``: b[h, i, j] = table[bucket(j − i), h] (BERT-R, TUPE-R; not scaled).
+* ``alibi_bias``: b[h, i, j] = −slope_h · |i − j| (ALiBi, symmetric; no parameters).
 * ``TupePositionBias``: TUPE's untied absolute correlation (Ke et al. 2021, Eq. 6 and §3.2):
   A = (LN(P) U_Q)(LN(P) U_K)ᵀ / √(2d), with the [CLS] row/column reset to θ1/θ2; for the
   BERT-A-d ablation also the position sides of its two mixed word/position terms.
@@ -36,6 +37,20 @@ class T5RelativeBias(nn.Module):
             DEFAULT_INIT, (None, None, "heads")), (len(buckets), rows, self.num_heads), jnp.float32)
         bias = sum(jnp.take(table[a], b, axis=0) for a, b in enumerate(buckets))   # (L, L, h)
         return jnp.transpose(bias, (2, 0, 1))
+
+
+def alibi_bias(num_heads: int, coords: list[np.ndarray], positioned: np.ndarray) -> Array:
+    """ALiBi for a bidirectional encoder: b[h, i, j] = −slope_h · Σ_a |c_a[i] − c_a[j]|, (h, L, L)
+    fp32 (text: |i − j|; a grid: the Manhattan distance between patches), 0 for pairs with a
+    token without a position ([CLS]). Slopes: ``positions.alibi_slopes``. Built from (L,)
+    coordinates at run time, so no L × L constant is embedded in the program."""
+    distance = sum(jnp.abs(jnp.asarray(c, jnp.float32)[:, None] - jnp.asarray(c, jnp.float32)[None])
+                   for c in coords)
+    if not positioned.all():
+        both = jnp.asarray(positioned)[:, None] & jnp.asarray(positioned)[None]
+        distance = jnp.where(both, distance, 0.0)
+    slopes = jnp.asarray(positions.alibi_slopes(num_heads))
+    return -slopes[:, None, None] * distance[None]
 
 
 class TupePositionBias(nn.Module):

@@ -184,3 +184,63 @@ def _weighted_taps(x: jax.Array, axis: int, taps: list[tuple[np.ndarray, np.ndar
         out = out + jnp.take(x, index, axis=axis) * jnp.asarray(
             weight.astype(np.float32)).reshape(shape)
     return out
+
+
+def token_coordinates(length: int, grid: tuple[int, int] | None, has_cls: bool
+                      ) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per position axis each token's coordinate (L,), and which tokens have a position (L,).
+
+    Text: one axis, token i at i. A grid: (row, col) of each patch, row-major, after [CLS]
+    (``has_cls``), which has no position (coordinate 0, ``positioned`` False)."""
+    if grid is None:
+        return [np.arange(length)], np.ones(length, bool)
+    offset = int(has_cls)
+    rows, cols = grid_coordinates(grid)
+    if rows.size + offset != length:
+        raise ValueError(f"length {length} does not fit grid {grid[0]}x{grid[1]}: it needs "
+                         f"{rows.size + offset} tokens ({offset} [CLS] + {rows.size} patches)")
+    pad = np.zeros(offset, np.int64)
+    positioned = np.concatenate([np.zeros(offset, bool), np.ones(rows.size, bool)])
+    return [np.concatenate([pad, rows]), np.concatenate([pad, cols])], positioned
+
+
+def rotary_angles(coords: list[np.ndarray], positioned: np.ndarray, head_dim: int,
+                  base: float) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE (Su et al. 2021) cos and sin, each (L, A, m/2) float32, for A position axes.
+
+    Each head's d features split into A chunks of m = d/A (axial RoPE on grids: the first half
+    rotated by the row, the second by the column); within a chunk, feature i is paired with
+    i + m/2 (the half-split pairing of GPT-NeoX / Llama, transformers' ``rotate_half``) and
+    rotated by the angle p · base^(−2i/m), p the token's coordinate on that axis. Tokens
+    without a position ([CLS]) get angle 0: they are not rotated.
+    """
+    axes = len(coords)
+    half = head_dim // axes // 2
+    inv_freq = 1.0 / base ** (np.arange(half, dtype=np.float64) * 2 / (head_dim // axes))
+    angles = np.stack([c[:, None] * inv_freq[None] for c in coords], axis=1)   # (L, A, m/2)
+    angles = angles * positioned[:, None, None]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al. 2022): for n a power of two the geometric sequence
+    2^(−8/n), 2^(−16/n), …, 2^(−8); otherwise those of the largest power of two p < n, then
+    every other slope of 2p, (num_heads,) float32."""
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    p = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(p) + geometric(2 * p)[0::2][:num_heads - p]
+    return np.asarray(slopes, np.float32)
+
+
+def sincos_2d_table(grid: tuple[int, int], width: int, temperature: float = 10_000.0
+                    ) -> np.ndarray:
+    """big_vision's fixed 2D sin-cos position table, (gh·gw, width) float32, patches row-major:
+    ω_i = temperature^(−i/(width/4 − 1)), i < width/4; a patch at (row y, column x) gets
+    [sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]."""
+    quarter = width // 4
+    omega = 1.0 / temperature ** (np.arange(quarter) / (quarter - 1))
+    y, x = grid_coordinates(grid)
+    xw, yw = x[:, None] * omega[None], y[:, None] * omega[None]
+    return np.concatenate([np.sin(xw), np.cos(xw), np.sin(yw), np.cos(yw)], 1).astype(np.float32)

@@ -9,11 +9,8 @@ import dataclasses
 import numbers
 from typing import Any, Mapping, Sequence
 
-TEXT_SCHEMES = ("bert_abs", "bert_rel", "tupe_a", "tupe_r", "bert_abs_d", "deberta",
-                "deberta_v2")
-# Schemes whose position correlation comes from TUPE's untied absolute table (position_bias.py).
-UNTIED_SCHEMES = ("tupe_a", "tupe_r", "bert_abs_d")
-VIT_SCHEMES = ("vit",) + TEXT_SCHEMES
+from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, VIT_SCHEMES
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
 POOLINGS = ("token", "first", "gap", "map")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,16 +76,27 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
         _check(0.0 <= v < 1.0, f, v, "must lie in [0, 1)")
     _check(c.layer_norm_eps > 0, "layer_norm_eps", c.layer_norm_eps, "must be > 0")
     _check(c.gather in GATHERS, "gather", c.gather, f"choose one of {', '.join(GATHERS)}")
-    if c.position_scheme in ("deberta", "deberta_v2"):
+    scheme = SCHEMES[c.position_scheme]
+    if scheme.rotary:
+        axes = 2 if isinstance(c, ViTConfig) else 1
+        _check(c.head_dim % (2 * axes) == 0, "hidden_size", c.hidden_size,
+               f"RoPE rotates pairs of features{' per grid axis' if axes == 2 else ''}: "
+               f"hidden_size / num_heads = {c.head_dim} must be divisible by {2 * axes}")
+        _check(c.rope_base > 1.0, "rope_base", c.rope_base,
+               "must be > 1 (the rotation frequencies are rope_base ** (-2i / d))")
+    if scheme.input == "sincos2d":
+        _check(c.hidden_size % 4 == 0 and c.hidden_size >= 8, "hidden_size", c.hidden_size,
+               "the 2D sin-cos table has sin and cos per grid axis, each of >= 2 "
+               "frequencies: must be a multiple of 4, at least 8")
+    if scheme.disentangled:
         _check(len(c.pos_att_type) > 0 and set(c.pos_att_type) <= {"c2p", "p2c"},
                "pos_att_type", c.pos_att_type, "a non-empty subset of ('c2p', 'p2c')")
         _check(c.max_relative_positions > 0, "max_relative_positions",
                c.max_relative_positions, "must be > 0 for DeBERTa")
-    if c.position_scheme == "deberta":
         for f in ("share_att_key", "norm_rel_ebd"):
-            _check(not getattr(c, f), f, getattr(c, f),
+            _check(f in scheme.fields or not getattr(c, f), f, getattr(c, f),
                    "DeBERTa v1 has no such option: use position_scheme='deberta_v2' or False")
-    if c.position_scheme == "deberta_v2":
+    if "position_buckets" in scheme.fields:
         _check(c.position_buckets >= 0, "position_buckets", c.position_buckets,
                "must be >= 0 (0 disables log bucketing)")
         if c.position_buckets:
@@ -105,7 +113,7 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
                    f"{c.position_buckets // 2}: the log buckets divide by log((max_relative_"
                    "positions - 1) / (position_buckets // 2)), which is then 0, so every "
                    "distance beyond it has no bucket")
-    if c.position_scheme in ("bert_rel", "tupe_r"):
+    if "t5" in scheme.terms:
         _check(c.relative_buckets >= 4 and c.relative_buckets % 2 == 0, "relative_buckets",
                c.relative_buckets, "must be an even number >= 4")
         _check(c.relative_max_distance > c.relative_buckets // 4, "relative_max_distance",
@@ -140,6 +148,8 @@ class TextConfig:
     # TUPE.
     tie_cls: bool = False                # paper ablation: no untied [CLS] reset (bert_abs_d
                                          # never resets)
+    # RoPE: the rotation of feature pair i at position p is p · rope_base ** (-2i / d).
+    rope_base: float = 10000.0
     # DeBERTa.
     pos_att_type: tuple[str, ...] = ("c2p", "p2c")
     max_relative_positions: int = 512    # v1: span k; v2: max_position for log buckets
@@ -169,14 +179,15 @@ class TextConfig:
                f"choose one of {', '.join(ACTIVATIONS)}")
         _check(self.conv_act in ACTIVATIONS, "conv_act", self.conv_act,
                f"choose one of {', '.join(ACTIVATIONS)}")
-        deberta = self.position_scheme in ("deberta", "deberta_v2")
-        if not deberta or not self.position_biased_input:
-            _check(self.max_position_embeddings >= 0, "max_position_embeddings",
-                   self.max_position_embeddings, "must be >= 0")
-        if not deberta or self.position_biased_input:
+        scheme = SCHEMES[self.position_scheme]
+        deberta = scheme.disentangled
+        _check(self.max_position_embeddings >= 0, "max_position_embeddings",
+               self.max_position_embeddings, "must be >= 0")
+        if scheme.learned_input or scheme.untied or (deberta and self.position_biased_input):
             _check(self.max_position_embeddings > 0, "max_position_embeddings",
                    self.max_position_embeddings,
-                   f"must be > 0: position_scheme={self.position_scheme!r} needs an absolute table")
+                   f"must be > 0: position_scheme={self.position_scheme!r} needs an absolute "
+                   "table")
         if self.use_emd:
             _check(deberta, "use_emd", self.use_emd,
                    "the enhanced mask decoder exists only for position_scheme deberta/deberta_v2")
@@ -193,7 +204,7 @@ class TextConfig:
         _check(self.conv_kernel_size >= 0, "conv_kernel_size", self.conv_kernel_size,
                "must be >= 0 (0: no convolution layer)")
         if self.conv_kernel_size:
-            _check(self.position_scheme == "deberta_v2", "conv_kernel_size", self.conv_kernel_size,
+            _check("conv_act" in scheme.fields, "conv_kernel_size", self.conv_kernel_size,
                    "the convolution layer exists only for position_scheme='deberta_v2'")
             _check(self.conv_kernel_size % 2 == 1, "conv_kernel_size", self.conv_kernel_size,
                    "must be odd (same-length convolution)")
@@ -249,6 +260,7 @@ class ViTConfig:
     relative_buckets: int = 32
     relative_max_distance: int = 128
     tie_cls: bool = False
+    rope_base: float = 10000.0           # axial RoPE: half of each head per grid axis
     pos_att_type: tuple[str, ...] = ("c2p", "p2c")
     max_relative_positions: int = 0      # 0: derived from the grid (max(gh, gw))
     position_buckets: int = 0
@@ -280,7 +292,7 @@ class ViTConfig:
             _check(s % (p * stride) == 0, "image_size", self.image_size,
                    f"side {s} must be divisible by patch_size {p}"
                    + (f" times the ResNet stem stride {stride}" if stride > 1 else ""))
-        if self.position_scheme in ("deberta", "deberta_v2"):
+        if SCHEMES[self.position_scheme].disentangled:
             _check(self.pooling != "token", "pooling", self.pooling,
                    "DeBERTa relative positions are defined between patches only; "
                    "use pooling='first', 'gap' or 'map' (no [CLS] token)")

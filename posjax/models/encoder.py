@@ -18,13 +18,13 @@ import numpy as np
 from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
 from posjax.layers.disentangled import DisentangledAttention
 from posjax.layers.dropout import Dropout
-from posjax.layers.position_bias import T5RelativeBias, TupePositionBias
-from posjax.models.config import UNTIED_SCHEMES, TextConfig, ViTConfig
+from posjax.layers import positions
+from posjax.layers.position_bias import T5RelativeBias, TupePositionBias, alibi_bias
+from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.schemes import scheme_of
 
 Array = jax.Array
 Config = TextConfig | ViTConfig
-
-DEBERTA = ("deberta", "deberta_v2")
 
 
 def compute_dtype(cfg: Config) -> jnp.dtype:
@@ -32,15 +32,15 @@ def compute_dtype(cfg: Config) -> jnp.dtype:
 
 
 def logit_scale(cfg: Config) -> float:
-    """1/√d (BERT, ViT), 1/√(2d) (TUPE: word and position correlations share the budget) or
-    1/√(4d) (BERT-A-d: word-word, word-position, position-word and position-position)."""
-    factor = {"tupe_a": 2, "tupe_r": 2, "bert_abs_d": 4}.get(cfg.position_scheme, 1)
-    return float(factor * cfg.head_dim) ** -0.5
+    """1/√(f·d) with the scheme's ``logit_factor`` f: 1 (BERT, ViT, RoPE, ALiBi), 2 (TUPE: word
+    and position correlations share the budget) or 4 (BERT-A-d: word-word, word-position,
+    position-word and position-position). DeBERTa's own scale is its attention layer's."""
+    return float(max(scheme_of(cfg).logit_factor, 1) * cfg.head_dim) ** -0.5
 
 
 def relative_span(cfg: Config) -> int:
     """k, the half-size of DeBERTa's relative table (per axis)."""
-    if cfg.position_scheme == "deberta_v2" and cfg.position_buckets > 0:
+    if "position_buckets" in scheme_of(cfg).fields and cfg.position_buckets > 0:
         return cfg.position_buckets
     return cfg.max_relative_positions
 
@@ -77,11 +77,12 @@ class EncoderLayer(nn.Module):
         if first_query:
             query_positions = np.zeros((1, 1), np.int32)
         dtype = compute_dtype(cfg)
-        if cfg.position_scheme in DEBERTA:
+        if scheme_of(cfg).disentangled:
             attention = DisentangledAttention(
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, pos_att_type=cfg.pos_att_type,
                 span=relative_span(cfg), max_relative_positions=cfg.max_relative_positions,
-                position_buckets=cfg.position_buckets if cfg.position_scheme == "deberta_v2" else 0,
+                position_buckets=(cfg.position_buckets
+                                  if "position_buckets" in scheme_of(cfg).fields else 0),
                 v1=cfg.position_scheme == "deberta", share_att_key=cfg.share_att_key,
                 grid=self.grid, gather=cfg.gather, dtype=dtype,
                 attention_dropout_rate=cfg.attention_dropout_rate,
@@ -99,7 +100,8 @@ class EncoderLayer(nn.Module):
             def attend(q, kv):
                 return attention(q, kv, mask=mask, bias=terms.get("bias"),
                                  position_query=terms.get("position_query"),
-                                 position_key=terms.get("position_key"), train=train)
+                                 position_key=terms.get("position_key"),
+                                 rotary=terms.get("rotary"), train=train)
 
         drop = Dropout(cfg.dropout_rate)
         mlp = Mlp(cfg.mlp_dim, cfg.hidden_act, dtype=dtype, dropout_rate=cfg.dropout_rate,
@@ -150,23 +152,23 @@ class Encoder(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        scheme = cfg.position_scheme
+        scheme = scheme_of(cfg)
         untie = self.has_cls and not cfg.tie_cls   # TUPE's [CLS] reset (and TUPE-R's buckets)
-        if scheme in ("bert_rel", "tupe_r"):
+        if "t5" in scheme.terms:
             self.relative_bias = T5RelativeBias(
                 cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
                 # On a grid [CLS] has no position: its pairs always use the two extra buckets.
-                untie_cls=(untie and scheme == "tupe_r") or (self.grid is not None and self.has_cls),
+                untie_cls=(untie and scheme.untied) or (self.grid is not None and self.has_cls),
                 grid=self.grid)
-        if scheme in UNTIED_SCHEMES:
+        if scheme.untied:
             max_len = (cfg.max_position_embeddings if isinstance(cfg, TextConfig)
                        else cfg.num_tokens)
             # BERT-A-d (TUPE's ablation) keeps [CLS] tied and adds the two mixed terms.
-            mixed = scheme == "bert_abs_d"
+            mixed = "mixed" in scheme.terms
             self.tupe_bias = TupePositionBias(
                 cfg.num_heads, cfg.head_dim, max_len, eps=cfg.layer_norm_eps,
                 untie_cls=untie and not mixed, logit_scale=logit_scale(cfg), mixed_terms=mixed)
-        if scheme in DEBERTA:
+        if scheme.disentangled:
             axes = 1 if self.grid is None else 2
             self.rel_embeddings = self.param(
                 "rel_embeddings", nn.with_logical_partitioning(nn.initializers.normal(0.02),
@@ -253,26 +255,33 @@ class Encoder(nn.Module):
             self.sow("intermediates", name, value)
 
     def position_terms(self, length: int) -> dict[str, Array]:
-        """The additive terms every layer shares, computed once: {'bias': (1, h, L, L)} (with
-        BERT-A-d also the position sides of its mixed terms, 'position_query' and
-        'position_key', (L, h, d) each) or {'rel_table': (A·2k, H)}."""
+        """The position terms every layer shares, computed once: {'bias': (1, h, L, L)} (the sum
+        of the scheme's additive terms; with BERT-A-d also the position sides of its mixed
+        terms, 'position_query' and 'position_key', (L, h, d) each), {'rotary': (cos, sin)}
+        (RoPE, each (L, A, m/2)) or {'rel_table': (A·2k, H)} (DeBERTa)."""
         cfg = self.cfg
-        scheme = cfg.position_scheme
+        scheme = scheme_of(cfg)
         terms: dict[str, Array] = {}
-        if scheme in DEBERTA:
+        if scheme.disentangled:
             table = self.rel_embeddings
             if cfg.norm_rel_ebd:
                 table = self.rel_norm(table)
             terms["rel_table"] = table.astype(compute_dtype(cfg))
             return terms
+        coords, positioned = positions.token_coordinates(length, self.grid, self.has_cls)
+        if scheme.rotary:
+            cos, sin = positions.rotary_angles(coords, positioned, cfg.head_dim, cfg.rope_base)
+            terms["rotary"] = (jnp.asarray(cos), jnp.asarray(sin))
         bias = None
-        if scheme in UNTIED_SCHEMES:
+        if scheme.untied:
             untied = self.tupe_bias(length)
             bias = untied.pop("bias")
             terms.update(untied)
-        if scheme in ("bert_rel", "tupe_r"):
+        if "t5" in scheme.terms:
             rel = self.relative_bias(length)
             bias = rel if bias is None else bias + rel
+        if "alibi" in scheme.terms:
+            bias = alibi_bias(cfg.num_heads, coords, positioned)
         if bias is not None:
             terms["bias"] = bias[None]
         return terms
@@ -280,7 +289,7 @@ class Encoder(nn.Module):
     def attention_mask(self, token_mask: Array) -> Array:
         """(B, 1, Lq, Lk) bool. DeBERTa masks padded queries too (official XSoftmax)."""
         keys = token_mask[:, None, None, :]
-        if self.cfg.position_scheme in DEBERTA:
+        if scheme_of(self.cfg).disentangled:
             return keys & token_mask[:, None, :, None]
         return keys
 

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 
 from posjax.layers.attention import ACTIVATIONS, DEFAULT_INIT, dense, layer_norm
 from posjax.layers.dropout import Dropout
-from posjax.models.config import UNTIED_SCHEMES, TextConfig
-from posjax.models.encoder import DEBERTA, Encoder, compute_dtype
+from posjax.models.config import TextConfig
+from posjax.models.encoder import Encoder, compute_dtype
+from posjax.models.schemes import scheme_of
 
 Array = jax.Array
 
@@ -88,9 +89,9 @@ class TextEmbeddings(nn.Module):
     def has_position_table(self) -> bool:
         """BERT-A/R add the table to the input; DeBERTa keeps one when the input or EMD reads it."""
         cfg = self.cfg
-        if cfg.position_scheme in DEBERTA:
+        if scheme_of(cfg).input == "optional":
             return cfg.max_position_embeddings > 0 and (cfg.position_biased_input or cfg.use_emd)
-        return cfg.position_scheme in ("bert_abs", "bert_rel")
+        return scheme_of(cfg).learned_input
 
     def __call__(self, input_ids: Array, token_mask: Array, token_type_ids: Array | None,
                  train: bool) -> tuple[Array, Array | None]:
@@ -104,7 +105,7 @@ class TextEmbeddings(nn.Module):
                     f"sequence length {length} exceeds max_position_embeddings="
                     f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
             pos = self.position_embeddings(jnp.arange(length))[None]
-            if cfg.position_scheme not in DEBERTA or cfg.position_biased_input:
+            if scheme_of(cfg).learned_input or cfg.position_biased_input:
                 x = x + pos
         if cfg.type_vocab_size:
             types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
@@ -113,7 +114,7 @@ class TextEmbeddings(nn.Module):
         if cfg.input_embedding_size != cfg.hidden_size:
             x = self.embed_proj(x)
         x = self.norm(x)
-        if cfg.position_scheme in DEBERTA:
+        if scheme_of(cfg).disentangled:
             x = x * token_mask[..., None].astype(x.dtype)
         x = self.dropout(x, deterministic=not train)
         return nn.with_logical_constraint(x, ("batch", "length", "embed")), pos
@@ -176,7 +177,7 @@ class TextEncoder(nn.Module):
         cfg = self.cfg
         check_token_inputs(input_ids, attention_mask, token_type_ids)
         length = input_ids.shape[1]
-        if cfg.position_scheme in UNTIED_SCHEMES and length > cfg.max_position_embeddings:
+        if scheme_of(cfg).untied and length > cfg.max_position_embeddings:
             raise ValueError(
                 f"sequence length {length} exceeds max_position_embeddings="
                 f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")

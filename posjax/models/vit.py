@@ -9,11 +9,14 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from posjax.layers import positions
 from posjax.layers.attention import DEFAULT_INIT, Mlp, MultiHeadAttention, dense, layer_norm
 from posjax.layers.dropout import Dropout
 from posjax.models.config import ViTConfig
 from posjax.models.encoder import Encoder, compute_dtype
+from posjax.models.schemes import scheme_of
 
 Array = jax.Array
 
@@ -129,10 +132,15 @@ class ViT(nn.Module):
             cls = self.param("cls", nn.with_logical_partitioning(
                 nn.initializers.zeros_init(), (None, None, "embed")), (1, 1, c), jnp.float32)
             x = jnp.concatenate([jnp.broadcast_to(cls.astype(dtype), (b, 1, c)), x], axis=1)
-        if cfg.position_scheme in ("vit", "bert_abs", "bert_rel"):
+        scheme = scheme_of(cfg)
+        if scheme.learned_input:
             pos = self.param("pos_embedding", nn.with_logical_partitioning(
                 DEFAULT_INIT, (None, "pos", "embed")), (1, x.shape[1], c), jnp.float32)
             x = x + pos.astype(dtype)
+        elif scheme.input == "sincos2d":   # fixed; [CLS] gets no position (as in big_vision)
+            table = positions.sincos_2d_table((gh, gw), c)
+            table = np.concatenate([np.zeros((int(has_cls), c), np.float32), table])
+            x = x + jnp.asarray(table, dtype)[None]
         x = Dropout(cfg.dropout_rate)(x, deterministic=not train)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         token_mask = jnp.ones(x.shape[:2], bool)

@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from posjax.layers.disentangled import takes_relative_shift
-from posjax.models.config import UNTIED_SCHEMES, TextConfig, ViTConfig
+from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.schemes import scheme_of
 from posjax.models.encoder import can_run_first_only, relative_span
 
 TRAIN_FACTOR = 3.0
@@ -74,13 +75,14 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
                    first_only: bool = False) -> Flops:
     """Matmul FLOPs of the position terms over the whole forward (all layers); with
     ``first_only`` DeBERTa's last layer takes the T table rows of token 0's pairs per term and
-    position axis (axes·2·T·H per example) instead of the product with all R rows."""
+    position axis (axes·2·T·H per example) instead of the product with all R rows. RoPE, ALiBi,
+    the T5 bias and fixed tables add no matmul FLOPs (element-wise work and gathers only)."""
     h = cfg.hidden_size
-    scheme = cfg.position_scheme
-    if scheme in UNTIED_SCHEMES:
+    scheme = scheme_of(cfg)
+    if scheme.untied:
         rows = tokens + 1
         untied = Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
-        if scheme != "bert_abs_d":
+        if "mixed" not in scheme.terms:
             return untied
 
         def mixed_layer(queries: int) -> float:
@@ -89,7 +91,7 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
         last = mixed_layer(1 if first_only else tokens)
         per_example = (cfg.num_layers - 1) * mixed_layer(tokens) + last
         return untied + Flops(per_example=per_example, per_step=2.0 * 2 * tokens * h * h)
-    if scheme in ("deberta", "deberta_v2"):
+    if scheme.disentangled:
         rows = deberta_table_rows(cfg, tokens, axes)
         # The relative shift (text only) multiplies the 2T − 1 table rows of the distances.
         product_rows = rows

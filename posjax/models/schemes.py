@@ -1,0 +1,101 @@
+"""The position schemes, one row each: the only list of scheme names in posjax.
+
+A scheme gives a Transformer positions in at most three places (DESIGN.md §2):
+
+* ``input``: what is added to the token embeddings — ``learned`` (an absolute table, BERT/ViT),
+  ``optional`` (DeBERTa: a learned table only with ``position_biased_input``, or for its EMD),
+  ``sincos2d`` (big_vision's fixed 2D sin-cos table on the patches), or ``none``;
+* ``terms``: what is added to every layer's attention logits besides the content q·k —
+  ``t5`` (a bucketed relative bias, ``T5RelativeBias``), ``untied`` (TUPE's (P U_Q)(P U_K)ᵀ,
+  ``TupePositionBias``), ``mixed`` (BERT-A-d's word↔position cross terms), ``disentangled``
+  (DeBERTa's c2p/p2c, ``DisentangledAttention``), ``alibi`` (−slope_h·|i − j|);
+* ``rotary``: whether queries and keys are rotated by their positions (RoPE) before q·k.
+
+``logit_factor`` f scales the logits by 1/√(f·d) (0: DeBERTa's 1 + #position terms);
+``relative``: positions enter only as offsets, so the scheme is defined at any length or
+grid without a table row per position; ``fields``: the config fields the scheme reads (which
+also change what the same parameters compute). Adding a scheme is one row here plus the layer
+that computes its term.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+INPUTS = ("learned", "optional", "sincos2d", "none")
+TERMS = ("t5", "untied", "mixed", "disentangled", "alibi")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    summary: str
+    input: str
+    terms: tuple[str, ...] = ()
+    rotary: bool = False
+    logit_factor: int = 1
+    relative: bool = False
+    fields: tuple[str, ...] = ()
+    text: bool = True
+    image: bool = True
+    alias: str = ""           # the recipes' short name (configs/: bert_a for bert_abs)
+
+    def __post_init__(self) -> None:
+        assert self.input in INPUTS and set(self.terms) <= set(TERMS), self
+
+    @property
+    def disentangled(self) -> bool:
+        """DeBERTa: its own attention layer, padded queries masked too (official XSoftmax)."""
+        return "disentangled" in self.terms
+
+    @property
+    def untied(self) -> bool:
+        """TUPE's absolute correlation: a (max_len + 1)-row table read by every layer."""
+        return "untied" in self.terms
+
+    @property
+    def learned_input(self) -> bool:
+        return self.input == "learned"
+
+
+_T5 = ("relative_buckets", "relative_max_distance")
+_DEBERTA = ("pos_att_type", "max_relative_positions", "position_biased_input")
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("vit", "ViT: learned absolute table on the input", "learned", text=False),
+    Scheme("bert_abs", "BERT-A: learned absolute table on the input", "learned", alias="bert_a"),
+    Scheme("bert_rel", "BERT-R: BERT-A + T5 relative bias", "learned", ("t5",), fields=_T5,
+           alias="bert_r"),
+    Scheme("tupe_a", "TUPE-A: untied positional correlation, [CLS] reset", "none",
+           ("untied",), logit_factor=2, fields=("tie_cls",)),
+    Scheme("tupe_r", "TUPE-R: TUPE-A + T5 relative bias", "none", ("untied", "t5"),
+           logit_factor=2, fields=_T5 + ("tie_cls",)),
+    Scheme("bert_abs_d", "BERT-A-d: all four word/position terms, untied projections", "none",
+           ("untied", "mixed"), logit_factor=4, alias="bert_a_d"),
+    Scheme("deberta", "DeBERTa v1: disentangled c2p/p2c attention", "optional",
+           ("disentangled",), logit_factor=0, relative=True, fields=_DEBERTA),
+    Scheme("deberta_v2", "DeBERTa v2/v3: + log buckets, shared keys, table LayerNorm",
+           "optional", ("disentangled",), logit_factor=0, relative=True,
+           fields=_DEBERTA + ("position_buckets", "share_att_key", "norm_rel_ebd", "conv_act")),
+    Scheme("rope", "RoPE: queries and keys rotated by position (2D axial on grids)", "none",
+           rotary=True, relative=True, fields=("rope_base",)),
+    Scheme("alibi", "ALiBi: per-head linear bias -slope·|i - j| (symmetric)", "none",
+           ("alibi",), relative=True),
+    Scheme("nope", "NoPE: no positions at all", "none", relative=True),
+    Scheme("sincos2d", "fixed 2D sin-cos table on the patches (big_vision)", "sincos2d",
+           text=False),
+)}
+
+TEXT_SCHEMES = tuple(n for n, s in SCHEMES.items() if s.text)
+VIT_SCHEMES = tuple(n for n, s in SCHEMES.items() if s.image)
+ALIASES = {s.alias: n for n, s in SCHEMES.items() if s.alias}
+
+
+def scheme_of(cfg: Any) -> Scheme:
+    """The row of ``cfg.position_scheme`` (a TextConfig / ViTConfig or anything with one)."""
+    return SCHEMES[cfg.position_scheme]
+
+
+def scheme_fields() -> dict[str, tuple[str, ...]]:
+    """{scheme: the config fields it reads}, for every scheme that reads any."""
+    return {n: s.fields for n, s in SCHEMES.items() if s.fields}
