@@ -16,10 +16,10 @@ TINY_VIT = dict(hidden_size=16, num_heads=2, num_layers=1, mlp_dim=32, num_class
 
 # (config class, fields, substrings the message must contain: field=value and the rule)
 BAD_CONFIGS = {
-    "unknown text scheme": (TextConfig, dict(position_scheme="rope"),
-                            ["position_scheme='rope'", "bert_abs", "deberta_v2"]),
-    "unknown vit scheme": (ViTConfig, dict(position_scheme="alibi"),
-                           ["position_scheme='alibi'", "vit", "tupe_r"]),
+    "unknown text scheme": (TextConfig, dict(position_scheme="xpos"),
+                            ["position_scheme='xpos'", "bert_abs", "deberta_v2"]),
+    "unknown vit scheme": (ViTConfig, dict(position_scheme="kerple"),
+                           ["position_scheme='kerple'", "vit", "tupe_r"]),
     "hidden not divisible by heads": (TextConfig, dict(hidden_size=30, num_heads=4),
                                       ["hidden_size=30", "divisible by num_heads=4"]),
     "vit hidden not divisible by heads": (ViTConfig, dict(hidden_size=100, num_heads=12),
