@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posjax.layers import blocked
 from posjax.layers.dropout import Dropout
 
 Array = jax.Array
@@ -174,11 +175,13 @@ class MultiHeadAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_dropout_rate: float = 0.0
     qkv_bias: bool = True
+    block_size: int = 0   # > 0: memory-bounded blocks (posjax.layers.blocked.layer_attention)
 
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
                  bias: Array | None = None, position_query: Array | None = None,
-                 position_key: Array | None = None, train: bool = False) -> Array:
+                 position_key: Array | None = None, train: bool = False,
+                 block_terms: blocked.BlockTerms | None = None) -> Array:
         """x_q (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk) -> (B, Lq, H)."""
         check_attention_inputs(x_q, x_kv, mask)
         if (position_query is None) != (position_key is None):
@@ -196,6 +199,16 @@ class MultiHeadAttention(nn.Module):
             return dense(hd, names, name=name, dtype=self.dtype, use_bias=self.qkv_bias)(x)
 
         q, k, v = project("query", x_q), project("key", x_kv), project("value", x_kv)
+        if self.block_size:   # ``bias`` must come as ``block_terms`` (its un-materialised form)
+            mixed = None if position_key is None else (
+                project("query_for_positions", x_q), position_key, position_query,
+                project("key_for_positions", x_kv))
+            out = blocked.layer_attention(
+                self, q, k, v, block_size=self.block_size, scale=self.logit_scale, mask=mask,
+                bias=bias, block_terms=block_terms, mixed=mixed,
+                dropout_rate=self.attention_dropout_rate if train else 0.0)
+            return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                         axis=(-2, -1))(out)
         logits = content_logits(q, k, self.logit_scale)
         if position_key is not None:
             logits = logits + mixed_logits(project("query_for_positions", x_q), position_key,

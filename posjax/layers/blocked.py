@@ -491,3 +491,43 @@ def _flash_bwd(plan: _Plan, res, g: Array):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers' hook
+# ---------------------------------------------------------------------------------------------
+
+def layer_attention(module: Any, q: Array, k: Array, v: Array, *, block_size: int,
+                    scale: float, mask: Array | None = None, query_mask: Array | None = None,
+                    bias: Array | None = None, block_terms: BlockTerms | None = None,
+                    mixed: tuple[Array, Array, Array, Array] | None = None,
+                    dropout_rate: float = 0.0) -> Array:
+    """The blocked path of ``MultiHeadAttention`` / ``DisentangledAttention`` (``block_size``
+    > 0): projected q (B, Lq, h, d), k, v (B, Lk, h, d) -> combined heads (B, Lq, h, d),
+    before the output projection.
+
+    mask: None or a key mask (B, 1, 1, Lk) (a per-query (B, 1, Lq, Lk) mask would be an L × L
+    array: give its query part as ``query_mask`` (B, Lq)). ``bias`` must be None: the shared
+    terms come un-materialised as ``block_terms`` (``T5RelativeBias.block_terms``,
+    ``TupePositionBias.block_terms``). ``mixed``: BERT-A-d's (x W̃_Q, P Ũ_K, P Ũ_Q, x W̃_K),
+    two ``Product`` terms at ``scale``. Attention dropout draws 'dropout' rngs from ``module``.
+    """
+    if bias is not None:
+        raise ValueError("with block_size > 0 give the shared position terms as block_terms "
+                         "(T5RelativeBias.block_terms / TupePositionBias.block_terms), not as a "
+                         "materialised (1, h, L, L) bias")
+    key_mask = None
+    if mask is not None:
+        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise ValueError(f"with block_size > 0 the mask {tuple(mask.shape)} must be a key "
+                             "mask (B, 1, 1, Lk); give masked queries as query_mask (B, Lq)")
+        key_mask = mask[:, 0, 0]
+    terms = BlockTerms() if block_terms is None else block_terms
+    if mixed is not None:
+        word_q, pos_k, pos_q, word_k = mixed
+        terms = terms.with_products(Product(word_q, pos_k, scale=scale),
+                                    Product(pos_q, word_k, scale=scale))
+    rng = module.make_rng("dropout") if dropout_rate > 0.0 else None
+    return blocked_attention(q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                             block_q=block_size, block_k=block_size, block_terms=terms,
+                             dropout_rate=dropout_rate, dropout_rng=rng)
