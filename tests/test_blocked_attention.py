@@ -147,16 +147,20 @@ def test_grid_relative_bias_matches_t5_module():
     in blocks of 8, against T5RelativeBias's materialised (h, L, L) bias."""
     grid, length = (4, 5), 21
     module = T5RelativeBias(H, BUCKETS, MAX_DISTANCE, untie_cls=True, grid=grid)
-    params = module.init(jax.random.key(0), length)
-    bias = module.apply(params, length)
-    terms = bl.BlockTerms(relative_bias=module.apply(params, length, method="block_terms"))
+    params = jax.jit(module.init, static_argnums=1)(jax.random.key(0), length)
     q, k, v, km, _, _ = _inputs(length)
-    ones = jnp.ones((1, length), bool)
-    want = jnp.einsum("bhqk,bkhd->bqhd", attention_weights(
-        jnp.einsum("bqhd,bkhd->bhqk", q, k) * SCALE + bias, km[:, None, None, :]), v)
-    got = bl.blocked_attention(q, k, v, key_mask=km, query_mask=ones, scale=SCALE, block_q=8,
-                               block_k=8, block_terms=terms)
-    _close(got, want)
+
+    @jax.jit
+    def both(params):
+        bias = module.apply(params, length)
+        terms = bl.BlockTerms(relative_bias=module.apply(params, length, method="block_terms"))
+        want = jnp.einsum("bhqk,bkhd->bqhd", attention_weights(
+            jnp.einsum("bqhd,bkhd->bhqk", q, k) * SCALE + bias, km[:, None, None, :]), v)
+        got = bl.blocked_attention(q, k, v, key_mask=km, scale=SCALE, block_q=8, block_k=8,
+                                   block_terms=terms)
+        return got, want
+
+    _close(*both(params))
 
 
 def test_rows_without_visible_keys_are_zero_with_finite_gradients():
@@ -238,8 +242,8 @@ def test_attention_layer_blocked_equals_plain(scheme):
     x = jax.random.normal(jax.random.key(0), (B, length, H * D))
     km = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [30]]))
     plain, blocked = _Tupe(scheme, 0), _Tupe(scheme, 16)
-    params = plain.init(jax.random.key(1), x, km)
-    shapes = jax.tree.map(jnp.shape, blocked.init(jax.random.key(1), x, km))
+    params = jax.jit(plain.init)(jax.random.key(1), x, km)
+    shapes = jax.tree.map(jnp.shape, jax.eval_shape(blocked.init, jax.random.key(1), x, km))
     if scheme == "tupe_r":   # BERT-A-d's plain model has no T5 table
         assert shapes == jax.tree.map(jnp.shape, params)
 
@@ -266,7 +270,7 @@ def test_disentangled_layer_blocked_equals_plain(v1):
     x = jax.random.normal(jax.random.key(0), (B, length, H * D))
     table = jax.random.normal(jax.random.key(1), (2 * SPAN, H * D))
     tokens = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [30]]))
-    params = plain.init(jax.random.key(2), x, x, rel_table=table)
+    params = jax.jit(lambda key: plain.init(key, x, x, rel_table=table))(jax.random.key(2))
     masks = {plain: dict(mask=tokens[:, None, None, :] & tokens[:, None, :, None]),
              blocked: dict(mask=tokens[:, None, None, :], query_mask=tokens)}
 
