@@ -1,6 +1,10 @@
 """Blocked (memory-bounded) attention equals the materialised path for every scheme's terms:
 forward and gradients, lengths not multiples of the blocks, padding and query masks, lengths
 below/at/above the T5 max distance and the DeBERTa span; and its memory grows linearly."""
+import contextlib
+import io
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 
 import reference as ref
+from bench import long_attention
 from posjax.layers import blocked as bl
 from posjax.layers import positions
 from posjax.layers.attention import MultiHeadAttention, attention_weights
@@ -317,3 +322,18 @@ def test_blocked_path_refuses_what_it_cannot_bound():
         layer.init(jax.random.key(0), x, x, bias=jnp.zeros((1, H, 8, 8)))
     with pytest.raises(ValueError, match="query_mask"):
         layer.init(jax.random.key(0), x, x, mask=jnp.ones((1, 1, 8, 8), bool))
+
+
+def test_bench_smoke_mode_prints_the_table():
+    """bench/long_attention.py --smoke (at its first length only, to stay quick): a markdown
+    row per scheme, blocked scratch below plain."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert long_attention.main(["--smoke", "--runs", "1", "--lengths", "64"]) == 0
+    rows = [ln for ln in out.getvalue().splitlines() if re.match(r"\| [a-z0-9]+ \| \d+ \|", ln)]
+    assert [r.split("|")[1:3] for r in rows] == [[f" {s} ", " 64 "]
+                                                  for s in long_attention.SCHEMES]
+    for row in rows:
+        plain_ms, blocked_ms, plain_mib, blocked_mib = (
+            float(c.replace(",", "")) for c in row.split("|")[3:7])
+        assert plain_ms > 0 and blocked_ms > 0 and blocked_mib < plain_mib, row
