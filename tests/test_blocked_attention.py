@@ -259,6 +259,26 @@ def test_attention_layer_blocked_equals_plain(scheme):
     _close(run(blocked), run(plain))
 
 
+def test_rows_of_the_terms_equal_the_materialised_bias():
+    """BlockTerms.rows (the plain path's few query rows, e.g. first_only's [CLS]) equals the
+    first rows of TUPE-R's materialised bias (untied positions + T5)."""
+    length = 37
+    tupe = TupePositionBias(H, D, max_len=64)
+    t5 = T5RelativeBias(H, BUCKETS, MAX_DISTANCE, untie_cls=True)
+    pt = jax.jit(tupe.init, static_argnums=1)(jax.random.key(0), length)
+    p5 = jax.jit(t5.init, static_argnums=1)(jax.random.key(1), length)
+
+    @jax.jit
+    def both(pt, p5):
+        bias = tupe.apply(pt, length)["bias"] + t5.apply(p5, length)
+        terms = bl.BlockTerms(
+            products=(tupe.apply(pt, length, method="block_terms")["untied"],),
+            relative_bias=t5.apply(p5, length, method="block_terms"))
+        return terms.rows(3, length), bias[None, :, :3]
+
+    _close(*both(pt, p5))
+
+
 @pytest.mark.parametrize("v1", [True, False])
 def test_disentangled_layer_blocked_equals_plain(v1):
     """DisentangledAttention(block_size=16): v1 (clamped distances, table centred on the

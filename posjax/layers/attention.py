@@ -167,6 +167,12 @@ class MultiHeadAttention(nn.Module):
     mixed terms (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ, scaled like q·k. The position
     sides are shared by every layer; W̃_Q (``query_for_positions``) and W̃_K
     (``key_for_positions``) belong to this layer.
+
+    ``block_size`` > 0 (self-attention, Lq = Lk): the memory-bounded blocked path, with the
+    shared terms given un-materialised as ``block_terms`` (``posjax.layers.blocked``) instead
+    of ``bias`` and a key mask (B, 1, 1, Lk); no attention weights are sown. With fewer
+    queries than keys (``first_only``'s row) the plain path runs, on the rows of
+    ``block_terms`` it needs.
     """
 
     num_heads: int
@@ -199,7 +205,7 @@ class MultiHeadAttention(nn.Module):
             return dense(hd, names, name=name, dtype=self.dtype, use_bias=self.qkv_bias)(x)
 
         q, k, v = project("query", x_q), project("key", x_kv), project("value", x_kv)
-        if self.block_size:   # ``bias`` must come as ``block_terms`` (its un-materialised form)
+        if self.block_size and x_q.shape[1] == x_kv.shape[1]:   # ``bias`` as ``block_terms``
             mixed = None if position_key is None else (
                 project("query_for_positions", x_q), position_key, position_query,
                 project("key_for_positions", x_kv))
@@ -209,6 +215,9 @@ class MultiHeadAttention(nn.Module):
                 dropout_rate=self.attention_dropout_rate if train else 0.0)
             return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                          axis=(-2, -1))(out)
+        if block_terms is not None:   # a few query rows (first_only): their rows of the terms
+            rows = block_terms.rows(x_q.shape[1], x_kv.shape[1])
+            bias = rows if bias is None else bias + rows
         logits = content_logits(q, k, self.logit_scale)
         if position_key is not None:
             logits = logits + mixed_logits(project("query_for_positions", x_q), position_key,

@@ -220,6 +220,26 @@ class BlockTerms:
         """Whether any term depends on query/key positions (then Lq must equal Lk)."""
         return bool(self.terms())
 
+    def rows(self, num_queries: int, length: int) -> Array:
+        """The terms' sum for queries 0…num_queries−1 against all ``length`` keys, materialised:
+        (1 or B, h, num_queries, length) fp32, O(num_queries·L) — for the plain path's few query
+        rows (the encoder's ``first_only`` [CLS] query), not for whole sequences. Not for
+        ``Disentangled`` (its terms need the layer's q and k)."""
+        if self.disentangled is not None:
+            raise ValueError("Disentangled terms are formed inside DisentangledAttention")
+        qpos = jnp.arange(num_queries, dtype=jnp.int32)
+        kpos = jnp.arange(length, dtype=jnp.int32)
+
+        def rows_first(x: Array, n: int) -> Array:   # (L, …) or (B, L, …) -> (n, [B,] …)
+            return x[:n] if x.ndim == 3 else jnp.moveaxis(x[:, :n], 1, 0)
+
+        products = tuple(p.replace(query_side=rows_first(p.query_side, num_queries),
+                                   key_side=rows_first(p.key_side, length))
+                         for p in self.products)
+        ctx = BlockContext(None, None, qpos, kpos, length, length)
+        total = sum(t.block_logits(ctx) for t in self.replace(products=products).terms())
+        return total if total.ndim == 4 else total[None]
+
 
 def _skew(s: Array, flat_index: np.ndarray, shape: tuple[int, int]) -> Array:
     """(B, h, n, W) -> (B, h, bq, bk): out.flat[a·bk + c] = s.reshape(B, h, n·W)[flat_index]."""

@@ -204,10 +204,9 @@ class DisentangledAttention(nn.Module):
         if self.v1 and self.grid is None:   # centre the table on the rows actually used
             rel_table = rel_table[self.span - span: self.span + span]
         rel_table = Dropout(self.dropout_rate)(rel_table, deterministic=not train)
-        if self.block_size:   # text self-attention; masks: keys (B, 1, 1, L) + query_mask (B, L)
-            if self.grid is not None or query_positions is not None:
-                raise ValueError("the blocked path (block_size > 0) covers text self-attention "
-                                 "only: no grid, no query_positions")
+        if self.block_size and self.grid is not None:
+            raise ValueError("the blocked path (block_size > 0) covers text only, not a grid")
+        if self.block_size and query_positions is None:   # masks: (B, 1, 1, L), query_mask (B, L)
             pos_key = key if self.share_att_key else dense(
                 hd, names, name="pos_key", dtype=self.dtype, use_bias=not self.v1)
             pos_query = query if self.share_att_key else dense(
