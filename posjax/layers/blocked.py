@@ -166,7 +166,7 @@ class Disentangled:
     first key ks, the offsets r = i − j span W = bq + bk − 1 values
     r = qs − ks − (bk − 1) + w (w = 0…W−1): their δ rows (W, h, d) of each table are gathered,
     q_blk·K_r[δ_w] -> (B, h, bq, W) and k_blk·Q_r[δ_w] -> (B, h, bk, W), and skewed into
-    (B, h, bq, bk) by the static w(a, c) = a − c + bk − 1.
+    (B, h, bq, bk) at w(a, c) = a − c + bk − 1 by a slice and reshape (``_skew``).
     """
 
     rel_key: Array | None
@@ -185,16 +185,15 @@ class Disentangled:
                                             ctx.lq_pad, ctx.lk_pad)   # index r + lk_pad − 1
         start = ctx.qpos[0] - ctx.kpos[0] - (bk - 1) + (ctx.lk_pad - 1)
         rows = jax.lax.dynamic_slice(jnp.asarray(by_offset), (start,), (width,))   # (W,)
-        w = np.arange(bq)[:, None] - np.arange(bk)[None, :] + bk - 1             # (bq, bk)
         total = None
-        if self.rel_key is not None:                          # c2p: out[a, c] = s[a, w(a, c)]
-            s = jnp.einsum("qbhd,whd->bhqw", ctx.q, self.rel_key[rows],
+        if self.rel_key is not None:   # c2p[a, c] = s[a, a − c + bk − 1] = s'[a, (bq−1−a) + c]
+            s = jnp.einsum("qbhd,whd->bhqw", ctx.q, self.rel_key[rows[::-1]],   # s' (reversed)
                            preferred_element_type=jnp.float32)
-            total = _skew(s, (np.arange(bq)[:, None] * width + w).reshape(-1), (bq, bk))
-        if self.rel_query is not None:                        # p2c: out[a, c] = s[c, w(a, c)]
+            total = _skew(s, bk)
+        if self.rel_query is not None:   # p2c[a, c] = s[c, a − c + bk − 1] = sᵀ-skew
             s = jnp.einsum("kbhd,whd->bhkw", ctx.k, self.rel_query[rows],
                            preferred_element_type=jnp.float32)
-            term = _skew(s, (np.arange(bk)[None, :] * width + w).reshape(-1), (bq, bk))
+            term = jnp.swapaxes(_skew(s, bq), -1, -2)
             total = term if total is None else total + term
         return total * self.scale
 
@@ -241,10 +240,15 @@ class BlockTerms:
         return total if total.ndim == 4 else total[None]
 
 
-def _skew(s: Array, flat_index: np.ndarray, shape: tuple[int, int]) -> Array:
-    """(B, h, n, W) -> (B, h, bq, bk): out.flat[a·bk + c] = s.reshape(B, h, n·W)[flat_index]."""
-    flat = s.reshape(s.shape[:-2] + (s.shape[-2] * s.shape[-1],))
-    return jnp.take(flat, flat_index, axis=-1).reshape(s.shape[:-2] + shape)
+def _skew(s: Array, cols: int) -> Array:
+    """(…, n, W) -> (…, n, cols) with out[r, c] = s[r, (n − 1 − r) + c] (needs W >= n − 1 +
+    cols): in the flat (n·W) view that element sits at (n − 1) + r·(W − 1) + c, so one slice
+    and a reshape to rows of W − 1 place it — no gather (its gradient is a pad)."""
+    if s.shape[-1] - 1 < cols:   # a single row (n = 1): room for the reshape below
+        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, cols + 1 - s.shape[-1])])
+    n, width = s.shape[-2:]
+    flat = s.reshape(s.shape[:-2] + (n * width,))[..., n - 1: n - 1 + n * (width - 1)]
+    return flat.reshape(s.shape[:-2] + (n, width - 1))[..., :cols]
 
 
 @functools.lru_cache(maxsize=64)
