@@ -11,7 +11,8 @@ v3 setting: log buckets, 256-row span, shared key). Each measurement is jax.grad
 the input. Memory is ``memory_analysis().temp_size_in_bytes`` of the compiled step (scratch
 beyond arguments and outputs). A plain run whose scratch, extrapolated ∝ L² from its last
 measured length, exceeds ``--plain-max-gib`` is neither compiled nor run ("does not fit");
-``--plain-max-length`` stops plain runs earlier (they are slow on CPU).
+beyond ``--plain-max-length`` / ``--blocked-max-length`` runs are compiled for their memory
+but not timed ("not run"; a full run is slow on a CPU).
 """
 from __future__ import annotations
 
@@ -94,17 +95,18 @@ def init(scheme: str, s: dict):
     return jax.jit(layer(scheme, 0, s).init)(jax.random.key(1), jnp.ones((1, 8, s["hidden"])))
 
 
-def measure(scheme: str, length: int, block: int, s: dict, params, runs: int,
-            predicted_gib: float | None, max_gib: float) -> tuple[float | None, float | None]:
-    """(median ms per forward + backward, scratch MiB), or (None, None) when the predicted
-    scratch exceeds ``max_gib``."""
-    if predicted_gib is not None and predicted_gib > max_gib:
-        return None, None
+def measure(scheme: str, length: int, block: int, s: dict, params,
+            runs: int) -> tuple[float | None, float]:
+    """(median ms per forward + backward, or None with ``runs`` = 0; scratch MiB). With
+    several runs the first (a warm-up) is not counted."""
     model = layer(scheme, block, s)
     x = jax.random.normal(jax.random.key(0), (1, length, s["hidden"]))
     compiled = step(model).lower(params, x).compile()
     mib = compiled.memory_analysis().temp_size_in_bytes / 2 ** 20
-    jax.block_until_ready(compiled(params, x))            # warm-up
+    if runs == 0:
+        return None, mib
+    if runs > 1:
+        jax.block_until_ready(compiled(params, x))            # warm-up
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -123,15 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", help="override the lengths")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--block", type=int, help="block size (default 512; smoke 32)")
-    parser.add_argument("--runs", type=int, default=2, help="timed runs after a warm-up")
-    parser.add_argument("--plain-max-gib", type=float, default=16.0)
-    parser.add_argument("--plain-max-length", type=int, default=None)
-    parser.add_argument("--blocked-max-length", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=2,
+                        help="runs per measurement; from 2 on, the first is a warm-up")
+    parser.add_argument("--plain-max-gib", type=float, default=16.0,
+                        help="plain runs predicted (∝ L²) above this are not compiled")
+    parser.add_argument("--plain-max-length", type=int, default=None,
+                        help="longer plain runs are compiled (memory) but not timed")
+    parser.add_argument("--blocked-max-length", type=int, default=None,
+                        help="longer blocked runs are compiled (memory) but not timed")
     args = parser.parse_args(argv)
     s = dict(SMOKE if args.smoke else FULL)
     if args.lengths:
         s["lengths"] = tuple(args.lengths)
     block = args.block or s["block"]
+
+    def runs(length: int, limit: int | None) -> int:   # 0: compiled for its memory only
+        return 0 if limit and length > limit else args.runs
     cpu = _cpu_description()["cpu_model"]
     print(f"# Long attention: one layer, hidden {s['hidden']}, {s['heads']} heads, batch 1, "
           f"forward + backward; block {block}\n\n{cpu}, {jax.default_backend()}, load "
@@ -143,20 +152,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = init(scheme, s)
         for length in s["lengths"]:
             predicted = None if last is None else last[1] * (length / last[0]) ** 2 / 1024
-            plain_skip = bool(args.plain_max_length and length > args.plain_max_length)
-            plain_ms, plain_mib = (None, None) if plain_skip else measure(
-                scheme, length, 0, s, params, args.runs, predicted, args.plain_max_gib)
-            if plain_mib is not None:
+            plain_ms = plain_mib = None
+            plain_missing = "does not fit"
+            if predicted is not None and predicted > args.plain_max_gib:
+                plain_missing = f"does not fit (~{predicted:,.0f} GiB)"
+            else:
+                plain_ms, plain_mib = measure(scheme, length, 0, s, params,
+                                              runs(length, args.plain_max_length))
                 last = (length, plain_mib)
-            plain_missing = "not run" if plain_skip else "does not fit"
-            if plain_mib is None and predicted is not None and not plain_skip:
-                plain_missing = f"does not fit (~{predicted:.0f} GiB)"
-            blocked_skip = bool(args.blocked_max_length and length > args.blocked_max_length)
-            blocked_ms, blocked_mib = (None, None) if blocked_skip else measure(
-                scheme, length, block, s, params, args.runs, None, float("inf"))
+            blocked_ms, blocked_mib = measure(scheme, length, block, s, params,
+                                              runs(length, args.blocked_max_length))
             print(f"| {scheme} | {length} | {fmt(plain_ms, 0, plain_missing)} | "
                   f"{fmt(blocked_ms, 0, 'not run')} | {fmt(plain_mib, 1, plain_missing)} | "
-                  f"{fmt(blocked_mib, 1, 'not run')} |", flush=True)
+                  f"{fmt(blocked_mib, 1)} |", flush=True)
     return 0
 
 
