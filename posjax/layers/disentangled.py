@@ -179,8 +179,12 @@ class DisentangledAttention(nn.Module):
                  query_mask: Array | None = None) -> Array:
         """x_q: (B, Lq, H); x_kv: (B, Lk, H); rel_table: (A·2k, H) with A = 1 (text) or 2
         (grid axes); mask bool (B, 1|h, Lq|1, Lk); query_positions (B or 1, Lq), required when
-        Lq != Lk (the key index of each query); query_mask bool (B, Lq), False rows attend to
-        nothing (DeBERTa's padded queries; the blocked path's form of a query mask) -> (B, Lq, H)."""
+        Lq != Lk (the key index of each query); query_mask bool (B, Lq): False rows attend to
+        nothing (DeBERTa's padded queries, as the blocked path takes them) -> (B, Lq, H).
+
+        ``block_size`` > 0 (text, no ``query_positions``): the memory-bounded blocked path
+        (``posjax.layers.blocked``) with mask (B, 1, 1, Lk) and ``query_mask``; no attention
+        weights are sown. With ``query_positions`` (EMD, first_only) the plain path runs."""
         check_attention_inputs(x_q, x_kv, mask)
         axes = 1 if self.grid is None else 2
         if rel_table.ndim != 2 or rel_table.shape[0] != axes * 2 * self.span:
