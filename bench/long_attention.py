@@ -162,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 last = (length, plain_mib)
             blocked_ms, blocked_mib = measure(scheme, length, block, s, params,
                                               runs(length, args.blocked_max_length))
-            print(f"| {scheme} | {length} | {fmt(plain_ms, 0, plain_missing)} | "
+            print(f"| {scheme} | {length} | "
+                  f"{fmt(plain_ms, 0, 'not run' if plain_mib else plain_missing)} | "
                   f"{fmt(blocked_ms, 0, 'not run')} | {fmt(plain_mib, 1, plain_missing)} | "
                   f"{fmt(blocked_mib, 1)} |", flush=True)
     return 0
