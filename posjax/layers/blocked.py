@@ -336,7 +336,10 @@ def blocked_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
     Lengths need not be multiples of the blocks: they are padded internally and the pad
     masked; a block larger than its length shrinks to it. Position terms require Lq = Lk
     (query i and key i are the same token). Logits, softmax and accumulation run in fp32;
-    the output has v's dtype. -> (B, Lq, h, dv).
+    the output has v's dtype. ``dropout_rate`` > 0 (with ``dropout_rng``): attention dropout,
+    one mask per block (module docstring). -> (B, Lq, h, dv).
+
+    Memory: O((Lq + Lk)·B·h·d) plus O(B·h·block_q·block_k) per block, forward and backward.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[0] != k.shape[0] \
             or k.shape[:3] != v.shape[:3] or q.shape[2:] != k.shape[2:]:
