@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posjax.layers import blocked
 from posjax.layers.dropout import Dropout
 
 Array = jax.Array
@@ -186,6 +187,12 @@ class MultiHeadAttention(nn.Module):
     mixed terms (x_i W̃_Q)(p_j Ũ_K)ᵀ + (p_i Ũ_Q)(x_j W̃_K)ᵀ, scaled like q·k. The position
     sides are shared by every layer; W̃_Q (``query_for_positions``) and W̃_K
     (``key_for_positions``) belong to this layer.
+
+    ``block_size`` > 0 (self-attention, Lq = Lk): the memory-bounded blocked path, with the
+    shared terms given un-materialised as ``block_terms`` (``posjax.layers.blocked``) instead
+    of ``bias`` and a key mask (B, 1, 1, Lk); no attention weights are sown. With fewer
+    queries than keys (``first_only``'s row) the plain path runs, on the rows of
+    ``block_terms`` it needs.
     """
 
     num_heads: int
@@ -194,12 +201,14 @@ class MultiHeadAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_dropout_rate: float = 0.0
     qkv_bias: bool = True
+    block_size: int = 0   # > 0: memory-bounded blocks (posjax.layers.blocked.layer_attention)
 
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
                  bias: Array | None = None, position_query: Array | None = None,
                  position_key: Array | None = None,
-                 rotary: tuple[Array, Array] | None = None, train: bool = False) -> Array:
+                 rotary: tuple[Array, Array] | None = None, train: bool = False,
+                 block_terms: blocked.BlockTerms | None = None) -> Array:
         """x_q (B, Lq, H), x_kv (B, Lk, H), mask bool (B, 1|h, Lq|1, Lk) -> (B, Lq, H)."""
         check_attention_inputs(x_q, x_kv, mask)
         if (position_query is None) != (position_key is None):
@@ -219,6 +228,19 @@ class MultiHeadAttention(nn.Module):
         q, k, v = project("query", x_q), project("key", x_kv), project("value", x_kv)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.block_size and x_q.shape[1] == x_kv.shape[1]:   # ``bias`` as ``block_terms``
+            mixed = None if position_key is None else (
+                project("query_for_positions", x_q), position_key, position_query,
+                project("key_for_positions", x_kv))
+            out = blocked.layer_attention(
+                self, q, k, v, block_size=self.block_size, scale=self.logit_scale, mask=mask,
+                bias=bias, block_terms=block_terms, mixed=mixed,
+                dropout_rate=self.attention_dropout_rate if train else 0.0)
+            return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                         axis=(-2, -1))(out)
+        if block_terms is not None:   # a few query rows (first_only): their rows of the terms
+            rows = block_terms.rows(x_q.shape[1], x_kv.shape[1])
+            bias = rows if bias is None else bias + rows
         logits = content_logits(q, k, self.logit_scale)
         if position_key is not None:
             logits = logits + mixed_logits(project("query_for_positions", x_q), position_key,

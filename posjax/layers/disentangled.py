@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.layers import positions
+from posjax.layers import blocked, positions
 from posjax.layers.attention import (attention_weights, check_attention_inputs, combine_heads,
                                     content_logits, dense)
 from posjax.layers.dropout import Dropout
@@ -140,6 +140,7 @@ class DisentangledAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_dropout_rate: float = 0.0
     dropout_rate: float = 0.0
+    block_size: int = 0   # > 0: memory-bounded blocks (posjax.layers.blocked.layer_attention)
 
     def relative_index(self, num_queries: int, num_keys: int,
                        query_positions: Array | None) -> tuple[Array | np.ndarray, ...]:
@@ -174,10 +175,16 @@ class DisentangledAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, rel_table: Array, mask: Array | None = None,
-                 query_positions: Array | None = None, train: bool = False) -> Array:
+                 query_positions: Array | None = None, train: bool = False,
+                 query_mask: Array | None = None) -> Array:
         """x_q: (B, Lq, H); x_kv: (B, Lk, H); rel_table: (A·2k, H) with A = 1 (text) or 2
         (grid axes); mask bool (B, 1|h, Lq|1, Lk); query_positions (B or 1, Lq), required when
-        Lq != Lk (the key index of each query) -> (B, Lq, H)."""
+        Lq != Lk (the key index of each query); query_mask bool (B, Lq): False rows attend to
+        nothing (DeBERTa's padded queries, as the blocked path takes them) -> (B, Lq, H).
+
+        ``block_size`` > 0 (text, no ``query_positions``): the memory-bounded blocked path
+        (``posjax.layers.blocked``) with mask (B, 1, 1, Lk) and ``query_mask``; no attention
+        weights are sown. With ``query_positions`` (EMD, first_only) the plain path runs."""
         check_attention_inputs(x_q, x_kv, mask)
         axes = 1 if self.grid is None else 2
         if rel_table.ndim != 2 or rel_table.shape[0] != axes * 2 * self.span:
@@ -201,6 +208,27 @@ class DisentangledAttention(nn.Module):
         if self.v1 and self.grid is None:   # centre the table on the rows actually used
             rel_table = rel_table[self.span - span: self.span + span]
         rel_table = Dropout(self.dropout_rate)(rel_table, deterministic=not train)
+        if self.block_size and self.grid is not None:
+            raise ValueError("the blocked path (block_size > 0) covers text only, not a grid")
+        if self.block_size and query_positions is None:   # masks: (B, 1, 1, L), query_mask (B, L)
+            pos_key = key if self.share_att_key else dense(
+                hd, names, name="pos_key", dtype=self.dtype, use_bias=not self.v1)
+            pos_query = query if self.share_att_key else dense(
+                hd, names, name="pos_query", dtype=self.dtype)
+            rel = blocked.Disentangled(
+                pos_key(rel_table) if "c2p" in self.pos_att_type else None,
+                pos_query(rel_table) if "p2c" in self.pos_att_type else None,
+                span=span, bucket_size=self.position_buckets,
+                max_position=self.max_relative_positions, scale=scale)
+            out = blocked.layer_attention(
+                self, q, k, v, block_size=self.block_size, scale=scale, mask=mask,
+                query_mask=query_mask, block_terms=blocked.BlockTerms(disentangled=rel),
+                dropout_rate=self.attention_dropout_rate if train else 0.0)
+            return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                         axis=(-2, -1))(out)
+        if query_mask is not None:   # (B, Lq): as on the blocked path, masked rows get zeros
+            rows = query_mask[:, None, :, None]
+            mask = rows if mask is None else mask & rows
         index = self.relative_index(x_q.shape[1], num_keys, query_positions)
         if "c2p" in self.pos_att_type:
             pos_key = key if self.share_att_key else dense(

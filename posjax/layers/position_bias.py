@@ -8,13 +8,15 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.layers import positions
-from posjax.layers.attention import DEFAULT_INIT, dense, layer_norm
+from posjax.layers import blocked, positions
+from posjax.layers.attention import DEFAULT_INIT, Dense, dense, layer_norm
 
 Array = jax.Array
 
@@ -37,6 +39,15 @@ class T5RelativeBias(nn.Module):
             DEFAULT_INIT, (None, None, "heads")), (len(buckets), rows, self.num_heads), jnp.float32)
         bias = sum(jnp.take(table[a], b, axis=0) for a, b in enumerate(buckets))   # (L, L, h)
         return jnp.transpose(bias, (2, 0, 1))
+
+    def block_terms(self, length: int) -> blocked.RelativeBucketBias:
+        """``__call__(length)`` un-materialised, for the blocked path: the (axes, buckets [+1],
+        h) table and the static bucketing; bias[h, i, j] is formed per block."""
+        if not self.has_variable("params", "rel_bias"):   # init: __call__ creates the table
+            self(1 if self.grid is None else length)
+        return blocked.RelativeBucketBias(
+            nn.unbox(self.get_variable("params", "rel_bias")), self.num_buckets,
+            self.max_distance, self.untie_cls, self.grid)
 
 
 def alibi_bias(num_heads: int, coords: list[np.ndarray], positioned: np.ndarray) -> Array:
@@ -95,6 +106,40 @@ class TupePositionBias(nn.Module):
             b = jnp.where(first[None, None, :], a[:, 1, 1][:, None, None], b)   # column 0: θ2
             b = jnp.where(first[None, :, None], a[:, 0, 0][:, None, None], b)   # row 0: θ1
         terms = {"bias": b}
+        if self.mixed_terms:
+            terms["position_query"] = project("query_for_words", p[1:])
+            terms["position_key"] = project("key_for_words", p[1:])
+        return terms
+
+    def block_terms(self, length: int) -> dict[str, Any]:
+        """``__call__(length)`` un-materialised, for the blocked path: {'untied':
+        ``blocked.Product``(Pq, Pk, θ1, θ2)} with Pq = (P U_Q + b)·scale and Pk = P U_K + b
+        for tokens 0…L−1 (table rows 1…L), (L, h, d) each, and θ1 = A[0, 0], θ2 = A[1, 1]
+        per head (None with a tied [CLS]); with ``mixed_terms`` also 'position_query' and
+        'position_key' as ``__call__``. The same parameters, read through ``__call__``'s
+        submodules' parameter names."""
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds max_len={self.max_len} positions of the "
+                             "table: truncate the inputs or enlarge the table")
+        if not self.has_variable("params", "position_embeddings"):   # init: __call__ creates
+            self(1)
+        params = nn.unbox(self.variables["params"])
+        p = nn.LayerNorm(epsilon=self.eps, dtype=jnp.float32, param_dtype=jnp.float32,
+                         parent=None).apply({"params": params["norm"]},
+                                            params["position_embeddings"][: length + 1])
+        hd = (self.num_heads, self.head_dim)
+
+        def project(name: str, rows: Array = p) -> Array:
+            return Dense(hd, ("embed", "heads", "kv"), dtype=jnp.float32, parent=None).apply(
+                {"params": params[name]}, rows)
+
+        scale = (2 * self.head_dim) ** -0.5 if self.logit_scale is None else self.logit_scale
+        pq, pk = project("query") * scale, project("key")
+        first_row = first_col = None
+        if self.untie_cls:
+            first_row = jnp.einsum("hd,hd->h", pq[0], pk[0])   # θ1 = A[0, 0]
+            first_col = jnp.einsum("hd,hd->h", pq[1], pk[1])   # θ2 = A[1, 1]
+        terms: dict[str, Any] = {"untied": blocked.Product(pq[1:], pk[1:], first_row, first_col)}
         if self.mixed_terms:
             terms["position_query"] = project("query_for_words", p[1:])
             terms["position_key"] = project("key_for_words", p[1:])
