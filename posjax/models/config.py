@@ -162,6 +162,11 @@ class TextConfig:
     conv_act: str = "tanh"
     gather: str = "shift"                # DeBERTa relative gather, one of GATHERS (shift:
                                          # fastest on CPU in BENCHMARKS.md; = take beyond L=k)
+    # Memory-bounded attention (posjax.layers.blocked): from blocked_attention_from tokens on
+    # (0: never), queries and keys in blocks of attention_block_size with an online softmax,
+    # so attention memory grows as L·block, not L². Same function (dropout masks aside).
+    attention_block_size: int = 512
+    blocked_attention_from: int = 2048
     # Heads.
     use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM (needs
                                          # position_biased_input=False, as officially)
@@ -201,6 +206,10 @@ class TextConfig:
                    "the official code runs the enhanced mask decoder only when absolute "
                    "positions are not added to the input: set position_biased_input=False, or "
                    "use_emd=False to decode the last layer")
+        _check(self.attention_block_size > 0, "attention_block_size", self.attention_block_size,
+               "must be > 0 (set blocked_attention_from=0 to never block attention)")
+        _check(self.blocked_attention_from >= 0, "blocked_attention_from",
+               self.blocked_attention_from, "must be >= 0 (0: never block attention)")
         _check(self.conv_kernel_size >= 0, "conv_kernel_size", self.conv_kernel_size,
                "must be >= 0 (0: no convolution layer)")
         if self.conv_kernel_size:

@@ -18,7 +18,7 @@ import numpy as np
 from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
 from posjax.layers.disentangled import DisentangledAttention
 from posjax.layers.dropout import Dropout
-from posjax.layers import positions
+from posjax.layers import blocked, positions
 from posjax.layers.position_bias import T5RelativeBias, TupePositionBias, alibi_bias
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.schemes import scheme_of
@@ -77,6 +77,7 @@ class EncoderLayer(nn.Module):
         if first_query:
             query_positions = np.zeros((1, 1), np.int32)
         dtype = compute_dtype(cfg)
+        block_size = cfg.attention_block_size if "block_terms" in terms else 0
         if scheme_of(cfg).disentangled:
             attention = DisentangledAttention(
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, pos_att_type=cfg.pos_att_type,
@@ -86,22 +87,25 @@ class EncoderLayer(nn.Module):
                 v1=cfg.position_scheme == "deberta", share_att_key=cfg.share_att_key,
                 grid=self.grid, gather=cfg.gather, dtype=dtype,
                 attention_dropout_rate=cfg.attention_dropout_rate,
-                dropout_rate=cfg.dropout_rate, name="attention")
+                dropout_rate=cfg.dropout_rate, block_size=block_size, name="attention")
 
             def attend(q, kv):
                 return attention(q, kv, rel_table=terms["rel_table"], mask=mask,
-                                 query_positions=query_positions, train=train)
+                                 query_positions=query_positions, train=train,
+                                 query_mask=terms.get("query_mask"))
         else:
             attention = MultiHeadAttention(
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, logit_scale=logit_scale(cfg),
                 dtype=dtype, attention_dropout_rate=cfg.attention_dropout_rate,
-                qkv_bias=getattr(cfg, "qkv_bias", True), name="attention")
+                qkv_bias=getattr(cfg, "qkv_bias", True), block_size=block_size,
+                name="attention")
 
             def attend(q, kv):
                 return attention(q, kv, mask=mask, bias=terms.get("bias"),
                                  position_query=terms.get("position_query"),
                                  position_key=terms.get("position_key"),
-                                 rotary=terms.get("rotary"), train=train)
+                                 rotary=terms.get("rotary"), train=train,
+                                 block_terms=terms.get("block_terms"))
 
         drop = Dropout(cfg.dropout_rate)
         mlp = Mlp(cfg.mlp_dim, cfg.hidden_act, dtype=dtype, dropout_rate=cfg.dropout_rate,
@@ -254,14 +258,26 @@ class Encoder(nn.Module):
             name = path[-2].key   # path ends (..., sow name, index in the sown tuple)
             self.sow("intermediates", name, value)
 
-    def position_terms(self, length: int) -> dict[str, Array]:
+    def uses_blocked_attention(self, length: int) -> bool:
+        """Whether a forward over ``length`` tokens runs the memory-bounded blocked path
+        (``posjax.layers.blocked``): text from ``cfg.blocked_attention_from`` tokens on (0:
+        never), and not while attention maps are captured (the blocked path has no L × L map)."""
+        start = getattr(self.cfg, "blocked_attention_from", 0)
+        return (self.grid is None and start > 0 and length >= start
+                and not self.is_mutable_collection("intermediates"))
+
+    def position_terms(self, length: int, blocked_path: bool = False) -> dict[str, Any]:
         """The position terms every layer shares, computed once: {'bias': (1, h, L, L)} (the sum
         of the scheme's additive terms; with BERT-A-d also the position sides of its mixed
         terms, 'position_query' and 'position_key', (L, h, d) each), {'rotary': (cos, sin)}
-        (RoPE, each (L, A, m/2)) or {'rel_table': (A·2k, H)} (DeBERTa)."""
+        (RoPE, each (L, A, m/2)) or {'rel_table': (A·2k, H)} (DeBERTa). On the blocked path
+        (``blocked_path``) the additive terms come un-materialised as 'block_terms'
+        (``blocked.BlockTerms``) instead of 'bias'."""
         cfg = self.cfg
         scheme = scheme_of(cfg)
-        terms: dict[str, Array] = {}
+        terms: dict[str, Any] = {}
+        if blocked_path:
+            terms["block_terms"] = blocked.BlockTerms()
         if scheme.disentangled:
             table = self.rel_embeddings
             if cfg.norm_rel_ebd:
@@ -272,6 +288,20 @@ class Encoder(nn.Module):
         if scheme.rotary:
             cos, sin = positions.rotary_angles(coords, positioned, cfg.head_dim, cfg.rope_base)
             terms["rotary"] = (jnp.asarray(cos), jnp.asarray(sin))
+        if blocked_path:
+            block_terms = terms["block_terms"]
+            if scheme.untied:
+                untied = self.tupe_bias.block_terms(length)
+                block_terms = block_terms.with_products(untied.pop("untied"))
+                terms.update(untied)
+            if "t5" in scheme.terms:
+                block_terms = block_terms.replace(
+                    relative_bias=self.relative_bias.block_terms(length))
+            if "alibi" in scheme.terms:
+                block_terms = block_terms.replace(linear_bias=blocked.LinearBias(
+                    jnp.asarray(positions.alibi_slopes(cfg.num_heads))))
+            terms["block_terms"] = block_terms
+            return terms
         bias = None
         if scheme.untied:
             untied = self.tupe_bias(length)
@@ -286,10 +316,12 @@ class Encoder(nn.Module):
             terms["bias"] = bias[None]
         return terms
 
-    def attention_mask(self, token_mask: Array) -> Array:
-        """(B, 1, Lq, Lk) bool. DeBERTa masks padded queries too (official XSoftmax)."""
+    def attention_mask(self, token_mask: Array, blocked_path: bool = False) -> Array:
+        """(B, 1, Lq, Lk) bool. DeBERTa masks padded queries too (official XSoftmax); on the
+        blocked path that query part goes separately (terms['query_mask']) and this is the
+        (B, 1, 1, Lk) key mask, so no L × L mask exists."""
         keys = token_mask[:, None, None, :]
-        if scheme_of(self.cfg).disentangled:
+        if scheme_of(self.cfg).disentangled and not blocked_path:
             return keys & token_mask[:, None, :, None]
         return keys
 
@@ -308,8 +340,11 @@ class Encoder(nn.Module):
         if return_all and first_only:
             raise ValueError("return_all=True needs every token of every layer: "
                              "set first_only=False")
-        terms = self.position_terms(x.shape[1])
-        mask = self.attention_mask(token_mask)
+        blocked_path = self.uses_blocked_attention(x.shape[1])
+        terms = self.position_terms(x.shape[1], blocked_path)
+        mask = self.attention_mask(token_mask, blocked_path)
+        if blocked_path and scheme_of(self.cfg).disentangled:
+            terms["query_mask"] = token_mask
         capturing = self.is_mutable_collection("intermediates")
         row_alone = first_only and can_run_first_only(self.cfg) and not capturing
         first_row = first_only and not row_alone and not capturing   # sliced from every row
@@ -334,7 +369,8 @@ class Encoder(nn.Module):
         """A layer's (x_q, x_kv, mask, terms) for token 0's query alone (``first_query``):
         (B, 1, H) queries against all (B, L, H) keys; the (·, ·, Lq, Lk) mask, shared bias and
         BERT-A-d's position queries cut to row 0."""
-        cut = {"bias": lambda v: v[:, :, :1], "position_query": lambda v: v[:1]}
+        cut = {"bias": lambda v: v[:, :, :1], "position_query": lambda v: v[:1],
+               "query_mask": lambda v: v[:, :1]}
         rows = {k: cut[k](v) if k in cut else v for k, v in terms.items()}
         return h[:, :1], h, mask[:, :, :1], rows
 
