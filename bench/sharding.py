@@ -105,7 +105,7 @@ def captured_stderr() -> Iterator[list[str]]:
 def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: int,
             width: int, layers: int, length: int) -> dict[str, Any]:
     """Compile the MLM train step of ``package`` (posjax or a variant) on ``mesh_shape``, set
-    up by its ``loop.prepare`` as train.py does (validated; nothing is written)."""
+    up by its ``run_setup.prepare`` as train.py does (validated; nothing is written)."""
     def module(name: str) -> Any:
         return importlib.import_module(f"{package.__name__}.training.{name}")
 
@@ -120,7 +120,7 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
     config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
     module("text_tasks")   # registers "mlm" (TASK_MODULES names the unaliased package)
     with tempfile.TemporaryDirectory() as workdir:
-        run = module("loop").prepare(config, workdir, training=True)
+        run = module("run_setup").prepare(config, workdir, training=True)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          run.abstract, run.shardings)
     step = module("steps").make_train_step(run.task, run.model, run.tx, run.mesh, run.shardings,

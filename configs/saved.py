@@ -3,7 +3,7 @@
     python eval.py --workdir DIR --config.mesh.fsdp=1      # eval.py's default config
     python train.py --config configs/saved.py:DIR --workdir DIR   # resume with the saved config
 """
-from posjax.training.loop import load_saved_config
+from posjax.training.run_config import load_saved_config
 
 
 def get_config(workdir: str = ""):

@@ -7,7 +7,7 @@ Target: >= 96% test accuracy (359 held-out digits) in under 5 minutes on 2 CPU c
 """
 from posjax.data import default_data_config
 from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax.config_defaults import default_config, model_defaults
 
 
 def get_config(variant: str = "") -> "ml_collections.ConfigDict":

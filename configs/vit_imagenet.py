@@ -29,7 +29,7 @@ converted from Hugging Face ViT also needs ``--config.model.hidden_act=gelu
 """
 from posjax.data import default_data_config
 from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax.config_defaults import default_config, model_defaults
 
 SIZES = {  # hidden, layers, heads
     "ti": (192, 12, 3), "s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16),

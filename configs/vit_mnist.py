@@ -10,7 +10,7 @@ import pathlib
 
 from posjax.data import default_data_config
 from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax.config_defaults import default_config, model_defaults
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 

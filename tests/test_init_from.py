@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import test_training_synthetic as syn
-from posjax.training import loop
+from posjax.training import run_setup
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
@@ -44,7 +44,7 @@ def test_workdir_params_load_and_a_pre_logits_head_is_not_reused(tmp_path, caplo
     assert "pre_logits" in saved
 
     config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     loaded, _ = state_lib.read_pretrained(tmp_path / "source", state.params,
                                           run.shardings.params)
@@ -68,7 +68,7 @@ def test_workdir_params_load_and_a_pre_logits_head_is_not_reused(tmp_path, caplo
 def test_same_features_keep_the_pretrained_head(tmp_path):
     saved = write_workdir(tmp_path / "source", syn.tiny_config())
     config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     params = state_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
     np.testing.assert_array_equal(np.asarray(params["head"]["kernel"]), saved["head"]["kernel"])
@@ -85,7 +85,7 @@ def test_a_damaged_init_from_is_one_error_and_nothing_else(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     config = syn.tiny_config(**{"init_from": "source"})
     with pytest.raises(ValueError) as refused:   # before anything is compiled or written
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
     message = str(refused.value)
     assert re.fullmatch(
         rf"init_from='source': {tmp_path}/source/checkpoints/4/state: cannot read this "
@@ -110,12 +110,12 @@ def test_a_body_parameter_of_another_shape_is_refused_before_training(tmp_path):
             "model and would keep a random init: ['embedding']['kernel'] (saved (2, 2, 1, 16), "
             "here (4, 4, 1, 16)). Give config.model the pretrained model's values: "
             "--config.model.patch_size=\"(2, 2)\", or start without init_from")):
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
     assert not (tmp_path / "run").exists()
 
     write_workdir(tmp_path / "classes", syn.tiny_config(**{"model.num_classes": 7}))
     config = syn.tiny_config(**{"init_from": str(tmp_path / "classes")})
-    loop.prepare(config, tmp_path / "run2", training=True)   # another head: fine-tuning
+    run_setup.prepare(config, tmp_path / "run2", training=True)   # another head: fine-tuning
 
 
 def test_a_text_checkpoint_with_another_vocabulary_is_refused(tmp_path):
@@ -198,7 +198,7 @@ def test_a_vit_for_another_grid_gets_the_pretrained_values(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's values: "
             "--config.model.max_relative_positions=2, or start without init_from")):
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -238,7 +238,7 @@ def test_fields_the_saved_config_does_not_hold_are_named_not_guessed(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's num_channels, patch_size (there is no "
             "config.json there to say them), or start")):
-        loop.prepare(syn.tiny_config(init_from=str(tmp_path / "run")), tmp_path / "new",
+        run_setup.prepare(syn.tiny_config(init_from=str(tmp_path / "run")), tmp_path / "new",
                      training=True)
 
 
@@ -268,4 +268,4 @@ def test_a_hybrid_stem_of_another_shape_names_its_fields(tmp_path):
                                     "init_from": str(tmp_path / "source")})
         with pytest.raises(ValueError, match=re.escape(
                 f". Give config.model the pretrained model's values: {flag}, or start")):
-            loop.prepare(config, tmp_path / "run", training=True)
+            run_setup.prepare(config, tmp_path / "run", training=True)

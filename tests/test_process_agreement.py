@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from posjax.training import loop, processes
+from posjax import config_defaults
+from posjax.training import processes
 
 
 
@@ -55,9 +56,9 @@ def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
         config["optimizer.learning_rate"] = 0.002
         config.pop("optimizer.b2")
     _second_process(monkeypatch, change)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     with pytest.raises(ValueError) as raised:
-        loop.check_same_config(config)
+        processes.check_same_config(config)
     message = str(raised.value)
     assert message.startswith("the processes were started with different configs:\n")
     assert f"process 1: optimizer.learning_rate=0.002 (process 0: " \
@@ -69,9 +70,9 @@ def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
 
 def test_the_distributed_section_may_differ_between_processes(monkeypatch):
     asked = _second_process(monkeypatch, None)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.distributed.process_id = 3
-    loop.check_same_config(config)
+    processes.check_same_config(config)
     assert not any(k.startswith("distributed") for k in asked[0])
     assert asked[0]["optimizer.learning_rate"] == config.optimizer.learning_rate
 
@@ -85,10 +86,10 @@ def test_a_host_with_another_vocabulary_is_one_error_naming_the_ids(monkeypatch)
     def change(identity):
         identity["data.tokenizer"] = _vocabulary(["a", "B", "c", "D"])
     _second_process(monkeypatch, change)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.data.tokenizer = "/data/vocab.txt"
     with pytest.raises(ValueError) as raised:
-        loop.check_same_data_identity(config,
+        processes.check_same_data_identity(config,
                                       {"data.tokenizer": _vocabulary(["a", "b", "c", "d"])})
     assert str(raised.value) == (
         "the processes read different data:\n  process 1: data.tokenizer='/data/vocab.txt' "
@@ -104,14 +105,14 @@ def test_a_host_with_another_copy_of_a_split_is_one_error(monkeypatch):
              "test": types.SimpleNamespace(num_examples=359)}
     with pytest.raises(ValueError, match=r"process 1: its data.test_split has 358 examples "
                                          r"\(process 0: 359\)\nGive every host the same copy"):
-        loop.check_same_splits(pipes)
+        processes.check_same_splits(pipes)
 
 
 def test_processes_that_agree_pass(monkeypatch):
     asked = _second_process(monkeypatch, None)
-    loop.check_same_config(loop.default_config())
-    loop.check_same_data_identity(loop.default_config(), {"data.tokenizer": _vocabulary(["a"])})
-    loop.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
+    processes.check_same_config(config_defaults.default_config())
+    processes.check_same_data_identity(config_defaults.default_config(), {"data.tokenizer": _vocabulary(["a"])})
+    processes.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
     assert asked[1:] == [{"data.tokenizer": _vocabulary(["a"])}, {"test": 3}]
 
 
@@ -204,7 +205,7 @@ def test_a_host_with_other_init_from_weights_is_one_error(tmp_path, monkeypatch)
         value["init_from"] = None   # process 1 has no checkpoint under that path
     _second_process(monkeypatch, change)
     with pytest.raises(ValueError) as raised:
-        loop.check_same_init_from(str(source))
+        processes.check_same_init_from(str(source))
     assert str(raised.value).startswith(
         f"the processes read different data:\n  process 1: init_from={str(source)!r} holds "
         "other weights than process 0's (none there)\nGive every host the same copy")

@@ -17,8 +17,16 @@ import pytest
 from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
 from posjax.training import checkpoint as ckpt_lib
-from posjax.training import flops, loop, metrics, optim
+from posjax import config_defaults
+from posjax.training import errors as errors_lib
+from posjax.training import evaluator
+from posjax.training import flops, metrics, optim
 from posjax.training import mesh as mesh_lib
+from posjax.training import results as results_lib
+from posjax.training import run_config
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
 from posjax.training import state as state_lib
 
 import test_training_synthetic as syn
@@ -189,7 +197,7 @@ def test_vit_b16_flops_match_the_published_count():
 
 
 def _opt(**kw):
-    return {**loop.default_config().optimizer.to_dict(), **kw}
+    return {**config_defaults.default_config().optimizer.to_dict(), **kw}
 
 
 def test_schedule_warmup_then_cosine_and_linear():
@@ -305,19 +313,19 @@ def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, match):
     with config.unlocked():
         config.update_from_flattened_dict(overrides)
     with pytest.raises(ValueError, match=match):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
 def test_missing_dataset_path_is_refused(tmp_path):
     from posjax.data import default_data_config
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.data = default_data_config("mnist")
     config.data.path = str(tmp_path / "no_mnist_here")
     config.model = dict(image_size=28, patch_size=7, num_channels=1, hidden_size=16,
                         num_heads=2, num_layers=1, mlp_dim=32, num_classes=10)
     with pytest.raises(ValueError, match="data.path="):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -326,26 +334,26 @@ def test_workdir_checks(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        loop.train(config, a_file / "run")
+        trainer.train(config, a_file / "run")
     with pytest.raises(ValueError, match="not writable"):
-        loop.train(config, "/proc/posjax_run")
+        trainer.train(config, "/proc/posjax_run")
     # A workdir with another config's checkpointed run is refused and left as it was.
     workdir = tmp_path / "other"
     (workdir / "checkpoints" / "4").mkdir(parents=True)     # a finalized step directory
     other = syn.tiny_config(**{"model.hidden_size": 32, "num_steps": 9, "mesh.data": 2})
-    saved = json.dumps(loop.config_dict(other))
-    (workdir / loop.CONFIG_FILE).write_text(saved)
+    saved = json.dumps(run_config.config_dict(other))
+    (workdir / run_config.CONFIG_FILE).write_text(saved)
     with pytest.raises(ValueError, match=r"another config(.|\n)*model.hidden_size: 32 -> 16"
                                          r"(.|\n)*num_steps: 9 -> 6"):
-        loop.train(config, workdir)
-    assert (workdir / loop.CONFIG_FILE).read_text() == saved
-    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", loop.CONFIG_FILE]
+        trainer.train(config, workdir)
+    assert (workdir / run_config.CONFIG_FILE).read_text() == saved
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", run_config.CONFIG_FILE]
 
 
 def _checkpointed_workdir(path, config):
     """A workdir as a run of ``config`` leaves it after its first checkpoint (step 2)."""
     (path / "checkpoints" / "2").mkdir(parents=True)
-    (path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+    (path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(config)))
     return path
 
 
@@ -353,19 +361,19 @@ def test_a_run_without_checkpoints_does_not_block_a_corrected_rerun(tmp_path):
     """A config.json left by a run that failed before its first checkpoint (another config,
     or a damaged file) is replaced: nothing depends on it yet."""
     config = syn.tiny_config()
-    for text in (json.dumps(loop.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
+    for text in (json.dumps(run_config.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
                  ""):
-        (tmp_path / loop.CONFIG_FILE).write_text(text)
+        (tmp_path / run_config.CONFIG_FILE).write_text(text)
         (tmp_path / "checkpoints").mkdir(exist_ok=True)       # created, nothing saved
-        loop.check_workdir(tmp_path, config)
-        assert loop.config_to_save(tmp_path, config) == loop.config_dict(config)
+        workdir_lib.check_workdir(tmp_path, config)
+        assert workdir_lib.config_to_save(tmp_path, config) == run_config.config_dict(config)
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda w: (w / "metrics.jsonl").mkdir(), "metrics.jsonl is a directory, not a file: move it "
                                              "out of the workdir"),
     (lambda w: (w / "loss_curve.png").mkdir(), "loss_curve.png is a directory, not a file"),
-    (lambda w: (w / loop.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
+    (lambda w: (w / run_config.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
     (lambda w: (w / "tensorboard").write_text(""), "tensorboard is a file, not a directory"),
     (lambda w: (w / "checkpoints").symlink_to(w / "volume"),
      r"checkpoints is a symbolic link to '.*/volume', which does not exist \(storage not "
@@ -378,7 +386,7 @@ def test_workdir_entries_of_the_wrong_kind_are_refused_before_anything_runs(tmp_
     workdir.mkdir()
     make(workdir)
     with pytest.raises(ValueError, match=rf"^workdir '{workdir}': {message}"):
-        loop.train(syn.tiny_config(), workdir)
+        trainer.train(syn.tiny_config(), workdir)
 
 
 def test_a_workdir_under_a_file_is_refused_before_anything_runs(tmp_path):
@@ -386,14 +394,14 @@ def test_a_workdir_under_a_file_is_refused_before_anything_runs(tmp_path):
     afile.write_text("")
     with pytest.raises(ValueError, match=rf"^workdir '{afile / 'w'}': '{afile}' is a file, not "
                                          "a directory; choose another workdir$"):
-        loop.train(syn.tiny_config(), afile / "w")
+        trainer.train(syn.tiny_config(), afile / "w")
 
 
 def test_eval_refuses_checkpoints_it_could_not_write_its_metrics_beside(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
     (workdir / "predictions").write_text("")
     with pytest.raises(ValueError, match=f"^workdir '{workdir}': predictions is a file"):
-        loop.prepare(syn.tiny_config(), workdir, training=False)
+        run_setup.prepare(syn.tiny_config(), workdir, training=False)
 
 
 def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
@@ -402,57 +410,57 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
     saved checkpoints (lost, or on storage that is not mounted); a run that stopped before or
     just after its first save (async) starts over."""
     config = syn.tiny_config()   # checkpoint.every_steps = 2
-    (tmp_path / loop.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
+    (tmp_path / run_config.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
     with pytest.raises(ValueError, match=r"its config.json is not a posjax run's \(keys "
                                          r"\['model_type', 'vocab_size'\]\); refusing"):
-        loop.check_workdir(tmp_path, config)
-    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+        workdir_lib.check_workdir(tmp_path, config)
+    (tmp_path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(config)))
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 5)))
-    loop.check_workdir(tmp_path, config)   # step 4 = 2 x every_steps: the save may be pending
+    workdir_lib.check_workdir(tmp_path, config)   # step 4 = 2 x every_steps: the save may be pending
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 5, "split": "train", "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match=r"has metrics up to step 5 but no checkpoint in .*"
                                          r"checkpoints \(checkpoint.every_steps=2\): if the "
                                          r"checkpoints are elsewhere"):
-        loop.check_workdir(tmp_path, config)
+        workdir_lib.check_workdir(tmp_path, config)
     # The interval the metrics were written with is the saved run's, not this command's.
     saved_every_step = syn.tiny_config(**{"checkpoint.every_steps": 1})
-    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(saved_every_step)))
+    (tmp_path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(saved_every_step)))
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 4)))
     with pytest.raises(ValueError, match=r"up to step 3 .*\(checkpoint.every_steps=1\)"):
-        loop.check_workdir(tmp_path, config)
+        workdir_lib.check_workdir(tmp_path, config)
 
 
 def test_damaged_config_json_is_named_with_the_fix(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
-    (workdir / loop.CONFIG_FILE).write_text("")
-    message = f"{workdir / loop.CONFIG_FILE} is damaged.*restore it from a copy"
+    (workdir / run_config.CONFIG_FILE).write_text("")
+    message = f"{workdir / run_config.CONFIG_FILE} is damaged.*restore it from a copy"
     with pytest.raises(ValueError, match=message):
-        loop.check_workdir(workdir, syn.tiny_config())
+        workdir_lib.check_workdir(workdir, syn.tiny_config())
     with pytest.raises(ValueError, match=message):
-        loop.load_saved_config(workdir)
-    (workdir / loop.CONFIG_FILE).write_text("[1, 2]")
+        run_config.load_saved_config(workdir)
+    (workdir / run_config.CONFIG_FILE).write_text("[1, 2]")
     with pytest.raises(ValueError, match="damaged \\(not a JSON object\\)"):
-        loop.check_workdir(workdir, syn.tiny_config())
+        workdir_lib.check_workdir(workdir, syn.tiny_config())
 
 
 def test_saved_config_of_another_program_or_an_older_run(tmp_path):
     """configs/saved.py (eval.py's default) refuses another program's config.json in one
     error, and fills a key an older run's config.json lacks with today's default."""
-    path = tmp_path / loop.CONFIG_FILE
+    path = tmp_path / run_config.CONFIG_FILE
     path.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ValueError, match=r"is not a posjax run's config \(keys \['architec"):
-        loop.load_saved_config(tmp_path)
-    old = loop.config_dict(syn.tiny_config())
+        run_config.load_saved_config(tmp_path)
+    old = run_config.config_dict(syn.tiny_config())
     del old["eval_batch_size"], old["distributed"], old["checkpoint"]["async_save"]
     path.write_text(json.dumps(old))
-    loaded = loop.load_saved_config(tmp_path)
+    loaded = run_config.load_saved_config(tmp_path)
     assert loaded.eval_batch_size == 0 and loaded.distributed.enabled is False
     assert loaded.checkpoint.async_save is True and loaded.checkpoint.every_steps == 2
-    assert loop.config_dict(loaded) == loop.config_dict(syn.tiny_config())
+    assert run_config.config_dict(loaded) == run_config.config_dict(syn.tiny_config())
 
 
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
@@ -464,34 +472,34 @@ def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_
     config = mlm_config("deberta", "tiny")
     assert {"remat", "scan_layers", "gather"} <= set(config.model)
     workdir = _checkpointed_workdir(tmp_path, config)
-    saved = json.loads((workdir / loop.CONFIG_FILE).read_text())
+    saved = json.loads((workdir / run_config.CONFIG_FILE).read_text())
     recipe_set = {"position_scheme", "vocab_size", "hidden_size", "num_heads", "num_layers",
                   "mlp_dim", "max_position_embeddings", "type_vocab_size", "hidden_act",
                   "layer_norm_eps", "dropout_rate", "attention_dropout_rate", "use_emd",
                   "position_biased_input", "max_relative_positions", "pos_att_type"}
     saved["model"] = {k: v for k, v in saved["model"].items() if k in recipe_set}
-    (workdir / loop.CONFIG_FILE).write_text(json.dumps(saved))
-    loop.check_workdir(workdir, config)
-    loop.check_eval_config(workdir, config)
+    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(saved))
+    workdir_lib.check_workdir(workdir, config)
+    workdir_lib.check_eval_config(workdir, config)
     computed_otherwise = config.copy_and_resolve_references()
     computed_otherwise.model.remat = True
     computed_otherwise.model.gather = "skew"
-    loop.check_workdir(workdir, computed_otherwise)
-    loop.check_eval_config(workdir, computed_otherwise)
+    workdir_lib.check_workdir(workdir, computed_otherwise)
+    workdir_lib.check_eval_config(workdir, computed_otherwise)
     changed = config.copy_and_resolve_references()
     changed.model.scan_layers = True            # another parameter layout
     with pytest.raises(ValueError, match="another config(.|\n)*model.scan_layers: False -> True"):
-        loop.check_workdir(workdir, changed)
+        workdir_lib.check_workdir(workdir, changed)
     with pytest.raises(ValueError, match="model.scan_layers: False -> True"):
-        loop.check_eval_config(workdir, changed)
+        workdir_lib.check_eval_config(workdir, changed)
 
 
 def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path):
     path = tmp_path / "config.json"
-    loop.write_json(path, {"a": 1})
+    workdir_lib.write_json(path, {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
     with pytest.raises(TypeError):
-        loop.write_json(path, {"a": object()})          # fails half-way through encoding
+        workdir_lib.write_json(path, {"a": object()})          # fails half-way through encoding
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]   # no temp file left
 
@@ -506,7 +514,7 @@ def test_worker_count_change_is_refused_on_resume(tmp_path):
     changed = config.copy_and_resolve_references()
     changed.data.worker_count = 2
     with pytest.raises(ValueError, match="another config(.|\n)*data.worker_count: 0 -> 2"):
-        loop.check_workdir(workdir, changed)
+        workdir_lib.check_workdir(workdir, changed)
 
 
 def test_init_from_with_an_empty_params_folder_is_one_error(tmp_path):
@@ -522,13 +530,13 @@ def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
     gone = str(tmp_path / "export_deleted_since")
     config = syn.tiny_config(init_from=gone)
     with pytest.raises(ValueError, match="init_from="):
-        loop.prepare(config, tmp_path / "fresh", training=True)
+        run_setup.prepare(config, tmp_path / "fresh", training=True)
     workdir = _checkpointed_workdir(tmp_path / "run", config)
-    loop.prepare(config, workdir, training=True)
-    loop.prepare(config, workdir, training=False)
+    run_setup.prepare(config, workdir, training=True)
+    run_setup.prepare(config, workdir, training=False)
     elsewhere = syn.tiny_config(init_from=str(tmp_path / "another_export"))
-    loop.prepare(elsewhere, workdir, training=True)
-    assert loop.config_to_save(workdir, elsewhere)["init_from"] == gone
+    run_setup.prepare(elsewhere, workdir, training=True)
+    assert workdir_lib.config_to_save(workdir, elsewhere)["init_from"] == gone
 
 
 def test_eval_may_change_only_how_it_reads_the_data(tmp_path):
@@ -538,12 +546,12 @@ def test_eval_may_change_only_how_it_reads_the_data(tmp_path):
                                  "batch_size": 8, "init_from": "/elsewhere"})
     with allowed.unlocked():
         allowed.data = {"test_split": "train[:10%]", "path": "/moved"}
-    loop.check_eval_config(workdir, allowed)
+    workdir_lib.check_eval_config(workdir, allowed)
     changed = syn.tiny_config(**{"model.hidden_size": 32, "optimizer.name": "sgd"})
     with pytest.raises(ValueError, match=r"model or its checkpointed state:\n"
                                          r"  model.hidden_size: 16 -> 32\n"
                                          r"  optimizer.name: 'adamw' -> 'sgd'\n"):
-        loop.check_eval_config(workdir, changed)
+        workdir_lib.check_eval_config(workdir, changed)
 
 
 def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
@@ -559,7 +567,7 @@ def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
         config = vit_digits.get_config("tiny")
         config.model[field] = value
         with pytest.raises(ValueError, match=match):
-            loop.train(config, tmp_path / "w")
+            trainer.train(config, tmp_path / "w")
         assert not (tmp_path / "w").exists()
 
 
@@ -571,7 +579,7 @@ def test_a_bad_test_split_is_refused_before_writing(tmp_path):
     config = vit_digits.get_config("tiny")
     config.data.test_split = "test[5:5]"
     with pytest.raises(ValueError, match=r"data.test_split selects 0 examples"):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
     folder = tmp_path / "npz"
     folder.mkdir()
@@ -583,7 +591,7 @@ def test_a_bad_test_split_is_refused_before_writing(tmp_path):
     config.data.update(name="cifar10", path=str(folder), train_split="train", test_split="test")
     config.model.num_classes = 8
     with pytest.raises(ValueError, match=rf"{folder / 'test.npz'}: cannot be read as an npz"):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -591,16 +599,16 @@ def test_the_test_split_is_read_once_per_run(tmp_path, monkeypatch):
     """Opened before anything is written, then each evaluation is a fresh pass over it (MLM
     packs its whole test split when opened: that was done again at every evaluation)."""
     opened = []
-    make = loop.Run.make_eval_pipeline
-    monkeypatch.setattr(loop.Run, "make_eval_pipeline",
+    make = run_setup.Run.make_eval_pipeline
+    monkeypatch.setattr(run_setup.Run, "make_eval_pipeline",
                         lambda self: (opened.append(1), make(self))[1])
     config = syn.tiny_config(**{"num_steps": 4, "eval_every_steps": 1})
-    result = loop.train(config, tmp_path / "w")
+    result = trainer.train(config, tmp_path / "w")
     evals = [r for r in metrics.read_metrics(tmp_path / "w" / "metrics.jsonl")
              if r["split"] == "eval"]
     assert opened == [1] and [r["step"] for r in evals] == [1, 2, 3, 4]
     assert evals[-1]["num_examples"] == result.eval["num_examples"] > 0
-    assert loop.evaluate(config, tmp_path / "w") == {"step": 4, "split": "test", **result.eval}
+    assert evaluator.evaluate(config, tmp_path / "w") == {"step": 4, "split": "test", **result.eval}
 
 
 def test_init_from_summary_counts_and_shows_the_first_notes():
@@ -633,26 +641,26 @@ def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
 
 
 def test_split_tags_keep_splits_apart():
-    tags = [loop.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
+    tags = [results_lib.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
     assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]
 
 
 def test_eval_tags_keep_other_data_apart():
-    saved = loop.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
+    saved = run_config.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
     same = syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "v", "worker_count": 2}})
-    assert loop.eval_tag(None, same) == "" and loop.eval_tag(saved, same) == ""
-    assert loop.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
+    assert results_lib.eval_tag(None, same) == "" and results_lib.eval_tag(saved, same) == ""
+    assert results_lib.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
     other = syn.tiny_config(**{"data": {"data_dir": "/e"}})
-    assert loop.eval_tag(saved, other) == loop.eval_tag(saved, other.copy_and_resolve_references())
-    assert loop.eval_tag(saved, other) not in ("", loop.eval_tag(
+    assert results_lib.eval_tag(saved, other) == results_lib.eval_tag(saved, other.copy_and_resolve_references())
+    assert results_lib.eval_tag(saved, other) not in ("", results_lib.eval_tag(
         saved, syn.tiny_config(**{"data": {"data_dir": "/f"}})))
 
 
 def test_operational_keys_may_change_on_resume():
-    a = loop.config_dict(syn.tiny_config())
-    b = loop.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
+    a = run_config.config_dict(syn.tiny_config())
+    b = run_config.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
                                             "log_every_steps": 3, "eval_batch_size": 8}))
-    assert loop.config_differences(a, b) == []
+    assert run_config.config_differences(a, b) == []
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -668,9 +676,9 @@ def test_metric_accumulator_weights():
 def test_divergence_checks_sums_and_every_state_value():
     acc = metrics.MetricAccumulator()
     acc.add({"loss": (jnp.float32(0.0), jnp.float32(0.0)), "grad_norm": jnp.float32(0.0)})
-    assert acc.all_finite(loop.DIVERGENCE_METRICS)   # a batch without weight is no divergence
+    assert acc.all_finite(errors_lib.DIVERGENCE_METRICS)   # a batch without weight is no divergence
     acc.add({"loss": (jnp.float32(jnp.nan), jnp.float32(1.0)), "grad_norm": jnp.float32(1.0)})
-    assert not acc.all_finite(loop.DIVERGENCE_METRICS)
+    assert not acc.all_finite(errors_lib.DIVERGENCE_METRICS)
     assert acc.all_finite(("grad_norm",))
     state = state_lib.TrainState(step=jnp.int32(3), params={"w": jnp.ones((2, 2))},
                                  opt_state=(jnp.zeros(2), {"nu": jnp.ones(3)}))
@@ -715,7 +723,7 @@ def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
 
 def test_process_row_blocks_on_the_local_mesh():
     mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
-    assert loop.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
+    assert mesh_lib.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
 
 
 @pytest.mark.parametrize("rows,shards,expected", [
@@ -724,7 +732,7 @@ def test_process_row_blocks_on_the_local_mesh():
     ({0: {0}, 1: {1}, 2: {2}, 3: {3}}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
 ])
 def test_row_blocks_of_contiguous_shards(rows, shards, expected):
-    assert loop.row_blocks(rows, shards, "mesh M") == expected
+    assert mesh_lib.row_blocks(rows, shards, "mesh M") == expected
 
 
 @pytest.mark.parametrize("rows,shards,match", [
@@ -734,7 +742,7 @@ def test_row_blocks_of_contiguous_shards(rows, shards, expected):
 ])
 def test_row_blocks_refuse_meshes_the_pipeline_cannot_feed(rows, shards, match):
     with pytest.raises(ValueError, match=match):
-        loop.row_blocks(rows, shards, "mesh M")
+        mesh_lib.row_blocks(rows, shards, "mesh M")
 
 
 def _wait_for(predicate, seconds: float = 5.0) -> bool:
@@ -809,8 +817,8 @@ def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
     monkeypatch.setattr(workdir_lock, "exclusive", another_run_ends_first)
     with pytest.raises(ValueError, match=r"holds a run with another config(.|\n)*"
                                          r"optimizer.learning_rate: 0.05 -> "):
-        loop.train(config, tmp_path / "w")
-    assert json.loads((tmp_path / "w" / loop.CONFIG_FILE).read_text()) == loop.config_dict(other)
+        trainer.train(config, tmp_path / "w")
+    assert json.loads((tmp_path / "w" / run_config.CONFIG_FILE).read_text()) == run_config.config_dict(other)
 
 
 def test_a_save_that_fails_for_another_reason_than_storage_is_no_save_failed(tmp_path):

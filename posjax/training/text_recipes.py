@@ -24,7 +24,7 @@ from posjax.data.glue import TASKS as GLUE_TASKS
 from posjax.data.glue import default_glue_data_config
 from posjax.data.text import default_mlm_data_config
 from posjax.models.config import TextConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax.config_defaults import default_config, model_defaults
 
 SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe_r": "tupe_r",
            "bert_a_d": "bert_abs_d", "deberta": "deberta"}
