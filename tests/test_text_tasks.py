@@ -14,6 +14,7 @@ from posjax.training import evaluator
 from posjax.training import run_setup
 from posjax.training import trainer
 from posjax.training import workdir as workdir_lib
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 from posjax.training.text_recipes import glue_config, mlm_config
@@ -152,7 +153,7 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
     run = run_setup.prepare(config, tmp_path / "probe", training=True)
     fresh = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  config.seed)
-    loaded = state_lib.load_init_from(fresh, config.init_from, run.shardings)
+    loaded = init_from_lib.load_init_from(fresh, config.init_from, run.shardings)
     pretrained = run_setup.prepare(mlm, mlm_dir, training=False)
     ckpt = ckpt_lib.Checkpointer(mlm_dir, 2, 3, create=False)
     mlm_state = ckpt.restore(ckpt.latest_step(), pretrained.abstract)
@@ -216,7 +217,7 @@ def test_glue_from_converted_encoder(tmp_path):
     config.init_from = str(tmp_path / "imported")
     run = run_setup.prepare(config, tmp_path / "glue", training=True)
     fresh = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    loaded = state_lib.load_init_from(fresh, config.init_from, run.shardings)
+    loaded = init_from_lib.load_init_from(fresh, config.init_from, run.shardings)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)),
                         loaded.params["encoder"], encoder)
     assert jax.tree.leaves(same) and all(jax.tree.leaves(same))

@@ -251,8 +251,8 @@ def test_a_sigterm_after_the_run_finished_ends_it_with_status_0():
 
 CTRL_C_WHILE_BUSY = """
 import time
-from posjax.data.common import signals_to_receiver_thread
-from posjax.training.checkpoint import StopRequest
+from posjax.io_utils import signals_to_receiver_thread
+from posjax.training.stop_request import StopRequest
 with signals_to_receiver_thread(), StopRequest() as stop:
     stop.begin_steps()   # as the training loop does before its first step
     print("ready", flush=True)

@@ -38,6 +38,8 @@ from posjax.training import run_setup
 from posjax.training import steps as steps_lib
 from posjax.training import trainer
 from posjax.training import workdir as workdir_lib
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
@@ -313,7 +315,7 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
     with caplog.at_level(logging.WARNING):
-        loaded = state_lib.load_init_from(state, str(export), run.shardings,
+        loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                           run.task.patch_grid).params
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings     # one summary, not one line per parameter
@@ -400,32 +402,32 @@ def test_function_mismatches_reads_the_settings_of_the_scheme():
                  pos_att_type="c2p|p2c")
     ours = TextConfig(position_scheme="deberta_v2", max_relative_positions=8, scan_layers=True,
                       pos_att_type=("c2p", "p2c"))
-    assert state_lib.function_mismatches(saved, ours) == [
+    assert init_from_checks.function_mismatches(saved, ours) == [
         ("max_relative_positions", 32, 8), ("position_buckets", 8, 0)]
     # Another scheme: its settings are listed too, so that one error gives every override.
-    assert state_lib.function_mismatches({**saved, "position_scheme": "tupe_r"}, ours) == [
+    assert init_from_checks.function_mismatches({**saved, "position_scheme": "tupe_r"}, ours) == [
         ("position_scheme", "tupe_r", "deberta_v2"), ("max_relative_positions", 32, 8),
         ("position_buckets", 8, 0), ("relative_max_distance", 64, 128)]
-    assert state_lib.function_mismatches({"image_size": 8}, ours) == []   # not a text config
+    assert init_from_checks.function_mismatches({"image_size": 8}, ours) == []   # not a text config
     # No model_config.json, or one with the grid alone: only what it says is compared.
-    assert state_lib.function_mismatches({}, ours) == []
-    assert state_lib.function_mismatches({"position_buckets": 4}, ours) == [
+    assert init_from_checks.function_mismatches({}, ours) == []
+    assert init_from_checks.function_mismatches({"position_buckets": 4}, ours) == [
         ("position_buckets", 4, 0)]
     # A train.py run's config.json leaves out fields at their defaults.
-    assert state_lib.function_mismatches({"max_relative_positions": 8}, ours,
+    assert init_from_checks.function_mismatches({"max_relative_positions": 8}, ours,
                                          missing_are_defaults=True) == [
         ("position_scheme", "bert_abs", "deberta_v2")]
     # The order of pos_att_type does not matter; the pooler's activation does once it is loaded.
-    assert state_lib.function_mismatches(
+    assert init_from_checks.function_mismatches(
         {**saved, "position_buckets": 0, "max_relative_positions": 8,
          "pos_att_type": ("p2c", "c2p"), "pooler_act": "gelu"}, ours) == []
-    assert state_lib.function_mismatches(
+    assert init_from_checks.function_mismatches(
         {**saved, "position_buckets": 0, "max_relative_positions": 8, "pooler_act": "gelu"},
         ours, with_pooler=True) == [("pooler_act", "gelu", "tanh")]
     # The override the error prints for a tuple, as the shell passes it to ml_collections.
-    assert state_lib._flag(("c2p",)) == "\"('c2p',)\"" and state_lib._flag(1e-12) == "1e-12"
+    assert init_from_checks._flag(("c2p",)) == "\"('c2p',)\"" and init_from_checks._flag(1e-12) == "1e-12"
     tupe = TextConfig(position_scheme="tupe_r", relative_max_distance=64)
-    assert state_lib.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
+    assert init_from_checks.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
 
 
 @pytest.mark.parametrize("scheme", ["vit", "tupe_a"])
@@ -442,7 +444,7 @@ def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
     run = run_setup.prepare(config, tmp_path / "run", training=True)
     assert run.task.patch_grid == (2, 4)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    loaded = state_lib.load_init_from(state, str(export), run.shardings,
+    loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                       run.task.patch_grid).params
     tables = {"vit": [(("pos_embedding",), 1)],
               "tupe_a": [(("encoder", "tupe_bias", "position_embeddings"), 2)]}[scheme]
@@ -490,7 +492,7 @@ def test_init_from_matches_the_cls_row_of_a_position_table(tmp_path, scheme, sav
     run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
-    loaded = state_lib.load_init_from(state, str(export), run.shardings,
+    loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                       run.task.patch_grid).params
     table, axis, cls = CLS_ROW_TABLES[scheme]
     saved_rows, rows = _get(params, table), _get(loaded, table)

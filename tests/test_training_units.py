@@ -27,7 +27,10 @@ from posjax.training import run_config
 from posjax.training import run_setup
 from posjax.training import trainer
 from posjax.training import workdir as workdir_lib
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
+from posjax.training import stop_request
 
 import test_training_synthetic as syn
 from model_inputs import every_eqn
@@ -521,7 +524,7 @@ def test_init_from_with_an_empty_params_folder_is_one_error(tmp_path):
     (tmp_path / "params").mkdir()          # a converter folder whose save never happened
     with pytest.raises(ValueError, match=r"^init_from='.*': .*params: cannot read this "
                                          r"checkpoint \(FileNotFoundError: "):
-        state_lib.check_init_from(tmp_path, {})
+        init_from_checks.check_init_from(tmp_path, {})
 
 
 def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
@@ -617,7 +620,7 @@ def test_init_from_summary_counts_and_shows_the_first_notes():
               "resampled grid (4, 4) -> (2, 2)",
               "['encoder']['layers']['fc']: the first 1 of the saved layers (2)",
               "['cls']: in the checkpoint but not in this model, ignored"]
-    text = state_lib.init_from_summary("/ckpt", notes, shown=3)
+    text = init_from_lib.init_from_summary("/ckpt", notes, shown=3)
     assert text.splitlines() == [
         "init_from /ckpt: 9 parameter(s) not loaded as they are (7 skipped, 2 adapted):",
         *(f"  {n}" for n in notes[:3]), "  ... and 6 more"]
@@ -632,7 +635,7 @@ def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
     table = np.random.default_rng(0).normal(size=(1, 64, 4)).astype(np.float32)
     target = {"pos_embedding": jnp.zeros((1, 8 * 32, 4))}
     replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    merged, notes = state_lib.merge_pretrained(target, {"['pos_embedding']": table},
+    merged, notes = init_from_lib.merge_pretrained(target, {"['pos_embedding']": table},
                                                {"pos_embedding": replicated}, saved_cfg, (8, 32))
     assert notes == ["['pos_embedding']: resampled grid (4, 16) -> (8, 32)"]
     np.testing.assert_array_equal(merged["pos_embedding"],
@@ -756,14 +759,14 @@ def test_stop_request_is_set_by_sigterm_or_ctrl_c_and_restores_the_handlers():
     """(A second Ctrl-C ends the process: tests/test_train_cli.py checks it in a subprocess.)"""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
-        with ckpt_lib.StopRequest() as stop:
+        with stop_request.StopRequest() as stop:
             assert not stop.requested
             os.kill(os.getpid(), signum)
             assert _wait_for(lambda: stop.requested)
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)   # nohup: stays ignored
     try:
-        with ckpt_lib.StopRequest() as stop:
+        with stop_request.StopRequest() as stop:
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) != before[1]
     finally:

@@ -57,9 +57,9 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
-                                 key_problems, line_at, not_utf8_error, pad_to_full_batches,
-                                 stack_examples, write_text_atomically)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems, line_at,
+                                not_utf8_error, pad_to_full_batches, stack_examples)
+from posjax.io_utils import error_summary, write_text_atomically
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 
 MAX_BAD_FRACTION = 0.01

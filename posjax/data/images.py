@@ -78,7 +78,7 @@ from absl import flags
 
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, input_worker_init,
-                                 key_problems, pad_to_full_batches, prepare_input_workers)
+                                key_problems, pad_to_full_batches, prepare_input_workers)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")

@@ -84,8 +84,9 @@ import ml_collections
 import numpy as np
 
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
-                                 key_problems, not_utf8_error, stack_examples)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
+                                not_utf8_error, stack_examples)
+from posjax.io_utils import error_summary
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
 
 Example = dict[str, Any]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import jax
 import numpy as np
 
+from posjax import checkpoint_io
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
@@ -31,7 +32,7 @@ def memory_advice(run: run_setup.Run, evaluating: bool = False, holds_state: boo
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
-        first = ckpt_lib.short_error(str(e))
+        first = checkpoint_io.short_error(str(e))
         if "RESOURCE_EXHAUSTED" not in first:
             raise
         logging.error("%s", str(e).strip())

@@ -15,13 +15,14 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from posjax.data.common import signals_to_receiver_thread
+from posjax.io_utils import signals_to_receiver_thread
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import errors
 from posjax.training import mesh as mesh_lib
 from posjax.training import processes
 from posjax.training import results
 from posjax.training import run_setup
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir as workdir_lib
@@ -128,7 +129,7 @@ def _evaluate_init_from(run: run_setup.Run) -> dict[str, float]:
     processes.check_same_init_from(run.config.init_from)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
-    state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
+    state = init_from_lib.load_init_from(state, run.config.init_from, run.shardings,
                                      run.task.patch_grid)
     if run.is_main:
         (run.workdir / "checkpoints").mkdir(parents=True, exist_ok=True)

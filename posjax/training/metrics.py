@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.data.common import write_text_atomically
+from posjax.io_utils import write_text_atomically
 
 # Dense bf16 peak FLOP/s of one JAX device, by substring of device_kind (first match wins).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (

@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 
 from posjax.data import identity as identity_lib
 from posjax.training import run_config
-from posjax.training import state as state_lib
+from posjax.training import init_from as init_from_lib
 from posjax.training import workdir as workdir_lib
 
 SHOWN = 8   # differences named in one error
@@ -203,7 +203,7 @@ def check_same_init_from(path: str) -> None:
     (``state.init_from_fingerprint``): a host with its own copy of another checkpoint under
     that path would load other parameters into its shards of the one model."""
     check_agree(
-        lambda: {"init_from": state_lib.init_from_fingerprint(path)}, "read different data",
+        lambda: {"init_from": init_from_lib.init_from_fingerprint(path)}, "read different data",
         "Give every host the same copy of the weights (or keep them on a file system every "
         "host mounts), and start from a run's checkpoints only once it has stopped saving.",
         lambda key, mine, first: f"init_from={path!r} holds other weights than process 0's "

@@ -13,7 +13,7 @@ from typing import Any
 import ml_collections
 
 from posjax import config_defaults
-from posjax.data.common import local_path
+from posjax.io_utils import local_path
 from posjax.models import config as model_config
 from posjax.training import optim, profiler
 from posjax.training.tasks import make_task

@@ -14,12 +14,13 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from posjax.data.common import local_path
+from posjax.io_utils import local_path
 from posjax.training import mesh as mesh_lib
 from posjax.training import optim
 from posjax.training import processes
 from posjax.training import results
 from posjax.training import run_config
+from posjax.training import init_from_checks
 from posjax.training import state as state_lib
 from posjax.training import workdir as workdir_lib
 from posjax.training.tasks import Task, make_task
@@ -111,7 +112,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
     if (training and config.init_from and not workdir_lib.saved_steps(workdir)) or pretrained:
-        state_lib.check_init_from(config.init_from, abstract.params, task.patch_grid,
+        init_from_checks.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
         workdir_lib.check_init_from_data(config, identity)
     return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,

@@ -37,7 +37,7 @@ from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
 from posjax.training import flops
-from posjax.training.state import SAME_FUNCTION_FIELDS
+from posjax.models.params import SAME_FUNCTION_FIELDS
 from posjax.training.tasks import Metrics, Task, model_config_from, register_task
 
 Array = jax.Array

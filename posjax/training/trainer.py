@@ -23,7 +23,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from posjax.data.common import signals_to_receiver_thread
+from posjax.io_utils import signals_to_receiver_thread
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import errors
 from posjax.training import evaluator
@@ -34,8 +34,10 @@ from posjax.training import profiler
 from posjax.training import results
 from posjax.training import run_config
 from posjax.training import run_setup
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
+from posjax.training import stop_request
 from posjax.training import workdir as workdir_lib
 from posjax.training import workdir_lock
 
@@ -65,7 +67,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     ``stop_after``: stop (with a saved checkpoint) once this step is reached, as a preemption
     would; used to test resumption.
     """
-    with ckpt_lib.StopRequest() as stop:   # from the start: a SIGTERM during set-up is no crash
+    with stop_request.StopRequest() as stop:   # from the start: a SIGTERM during set-up is no crash
         run = run_setup.prepare(config, workdir, training=True)
         # Data errors (and data that does not fit the model) before anything is written, in
         # the test split too (else they would end the run at its first evaluation). The test
@@ -115,7 +117,7 @@ def _start_state(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterat
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  run.config.seed)
     if run.config.init_from:
-        state = state_lib.load_init_from(state, run.config.init_from, run.shardings,
+        state = init_from_lib.load_init_from(state, run.config.init_from, run.shardings,
                                          run.task.patch_grid)
         run_setup.print_main(run, f"parameters initialised from {run.config.init_from}")
     return state, 0

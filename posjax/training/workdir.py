@@ -20,8 +20,7 @@ from typing import Any
 import ml_collections
 
 from posjax.data import identity as identity_lib
-from posjax.data.common import (cannot_write_in, check_creatable, local_path,
-                                write_text_atomically)
+from posjax.io_utils import cannot_write_in, check_creatable, local_path, write_text_atomically
 from posjax.training import metrics as metrics_lib
 from posjax.training import run_config
 from posjax.training import workdir_lock
