@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from posjax.data import glue
+from posjax.data.common import utf8_lines
 
 # Minimal files in the GLUE download layout (header rows exactly as distributed).
 LAYOUT = {
@@ -350,4 +351,4 @@ def test_tsv_that_changes_while_it_is_read_is_one_error(tmp_path):
         yield "sentence\tlabel\n"
         raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
     with pytest.raises(ValueError, match=rf"^{path}: was not valid UTF-8 while it was read"):
-        list(glue._utf8_lines(lines_then_bad_byte(), path))
+        list(utf8_lines(lines_then_bad_byte(), path))

@@ -12,7 +12,7 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
@@ -141,6 +141,37 @@ def line_at(data: bytes, offset: int) -> int:
     """The line (from 1) holding byte ``offset`` of ``data``; lines end at \\n, \\r\\n or \\r."""
     before = data[:offset]
     return len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
+
+
+def utf8_lines(lines: Iterable[Any], path: str | pathlib.Path) -> Iterator[Any]:
+    """``lines`` as they are: bytes (each checked; no UTF-8 character holds a newline byte, so
+    lines decode on their own), or str from a file opened as UTF-8 (its decoding error is
+    placed by reading the file again). A byte that is not UTF-8 raises one ValueError naming
+    the file, the bytes and their line (``not_utf8_error``)."""
+    lines = iter(lines)
+    offset = number = 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as chunk_error:   # its position is within a read chunk
+            data = pathlib.Path(path).read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise not_utf8_error(path, e, line=line_at(data, e.start)) from e
+            raise ValueError(f"{path}: was not valid UTF-8 while it was read (it has changed "
+                             "since); read it again, and convert it to UTF-8 if it is not"
+                             ) from chunk_error
+        number += 1
+        if isinstance(line, bytes):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise not_utf8_error(path, e, offset=offset, line=number) from e
+            offset += len(line)
+        yield line
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -15,6 +15,7 @@ import ml_collections
 from posjax import config_defaults
 from posjax.io_utils import local_path
 from posjax.models import config as model_config
+from posjax.models import params as params_lib
 from posjax.training import optim, profiler
 from posjax.training.tasks import make_task
 
@@ -87,13 +88,9 @@ def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json())
 
 
-def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out = {}
-        for k, v in d.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
+def flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """{dotted key (``data.text_files.valid``): value} of a config dict."""
+    return {".".join(path): v for path, v in params_lib.flatten(config).items()}
 
 
 def under(key: str, sections: tuple[str, ...]) -> bool:
