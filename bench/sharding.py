@@ -109,7 +109,7 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
     def module(name: str) -> Any:
         return importlib.import_module(f"{package.__name__}.training.{name}")
 
-    config = module("text_recipes").mlm_config(scheme, "tiny")
+    config = importlib.import_module("configs.text_recipes").mlm_config(scheme, "tiny")
     config.model.update(hidden_size=width, num_heads=max(width // 64, 2), num_layers=layers,
                         mlp_dim=4 * width, max_position_embeddings=length)
     if scheme == "deberta":

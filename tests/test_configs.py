@@ -19,7 +19,7 @@ from posjax.training import mesh as mesh_lib
 from posjax.training import optim, state, steps
 from posjax.training import run_config
 from posjax.training.tasks import make_task
-from posjax.training.text_recipes import SCHEMES as RECIPE_SCHEMES
+from configs.text_recipes import SCHEMES as RECIPE_SCHEMES
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RECIPES = [("vit_digits.py", ""), ("vit_digits.py", "tiny"), ("vit_mnist.py", ""),

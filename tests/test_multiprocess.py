@@ -341,7 +341,7 @@ TEXT_OVERRIDES = {"num_steps": 4, "log_every_steps": 1, "eval_every_steps": 1000
 def test_text_model_two_processes_equal_one_process(tmp_path, shared_data):
     """MLM BERT-A with dropout on data 2 × fsdp 2 × tensor 2: the word-embedding lookup from the
     fsdp- and tensor-split table, across 2 processes, gives the losses of 1 process."""
-    from posjax.training.text_recipes import mlm_config
+    from configs.text_recipes import mlm_config
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         multi = pool.submit(launch, tmp_path / "multi", tmp_path, "text",
                             config="configs/mlm_bert_a.py:tiny", overrides=TEXT_OVERRIDES)

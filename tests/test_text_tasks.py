@@ -17,7 +17,7 @@ from posjax.training import workdir as workdir_lib
 from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
-from posjax.training.text_recipes import glue_config, mlm_config
+from configs.text_recipes import glue_config, mlm_config
 
 TINY = dict(hidden_size=32, num_heads=2, num_layers=2, mlp_dim=64, dropout_rate=0.0,
             attention_dropout_rate=0.0)

@@ -27,13 +27,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from posjax import config_defaults
 from posjax.models.config import TextConfig
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import errors as errors_lib
 from posjax.training import evaluator
 from posjax.training import mesh as mesh_lib
 from posjax.training import results as results_lib
-from posjax.training import run_config
 from posjax.training import run_setup
 from posjax.training import steps as steps_lib
 from posjax.training import trainer
@@ -137,7 +137,7 @@ def test_eval_reproduces_the_training_eval(runs):
     moved = config.copy_and_resolve_references()
     moved.data = {"data_dir": "/elsewhere"}
     evaluator.evaluate(moved, straight)
-    tag = results_lib.eval_tag(run_config.read_saved_config(straight), moved)
+    tag = results_lib.eval_tag(config_defaults.read_saved_config(straight), moved)
     assert re.fullmatch(r"_data-[0-9a-f]{8}", tag)
     assert json.loads(results_lib.eval_file(straight, 6, "test", tag).read_text())["data"] == \
         {"data.data_dir": "/elsewhere"}
@@ -197,7 +197,7 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     assert not (tmp_path / "left_over").exists()
     run_without_checkpoint = tmp_path / "run"
     (run_without_checkpoint / "checkpoints").mkdir(parents=True)
-    shutil.copy(straight / run_config.CONFIG_FILE, run_without_checkpoint / run_config.CONFIG_FILE)
+    shutil.copy(straight / config_defaults.CONFIG_FILE, run_without_checkpoint / config_defaults.CONFIG_FILE)
     with pytest.raises(ValueError, match="holds no saved step yet: train there first"):
         evaluator.evaluate(pretrained, run_without_checkpoint)
 
@@ -544,14 +544,14 @@ def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     wider = syn.tiny_config(**{"model.hidden_size": 24, "model.mlp_dim": 40})
-    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(wider)))
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(wider)))
     pattern = (r"holds the parameters of another model than config.model builds \(other "
                r"shapes: cls \(1, 1, 16\) saved, \(1, 1, 24\) in the model, .* in all\)\): "
                r"it was saved with another config.*not damaged$")
     with pytest.raises(ValueError, match=pattern):
         evaluator.evaluate(wider, workdir)
     deeper = syn.tiny_config(**{"model.num_layers": 2})
-    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(deeper)))
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(deeper)))
     with pytest.raises(ValueError, match=r"\(not in the checkpoint: encoder/layer_1/"):
         evaluator.evaluate(deeper, workdir)
     gc.collect()

@@ -20,7 +20,7 @@ from posjax.training import checkpoint as ckpt_lib
 from posjax import config_defaults
 from posjax.training import errors as errors_lib
 from posjax.training import evaluator
-from posjax.training import flops, metrics, optim
+from posjax.training import flops, metrics, optim, peak_flops
 from posjax.training import mesh as mesh_lib
 from posjax.training import results as results_lib
 from posjax.training import run_config
@@ -344,19 +344,19 @@ def test_workdir_checks(tmp_path):
     workdir = tmp_path / "other"
     (workdir / "checkpoints" / "4").mkdir(parents=True)     # a finalized step directory
     other = syn.tiny_config(**{"model.hidden_size": 32, "num_steps": 9, "mesh.data": 2})
-    saved = json.dumps(run_config.config_dict(other))
-    (workdir / run_config.CONFIG_FILE).write_text(saved)
+    saved = json.dumps(config_defaults.config_dict(other))
+    (workdir / config_defaults.CONFIG_FILE).write_text(saved)
     with pytest.raises(ValueError, match=r"another config(.|\n)*model.hidden_size: 32 -> 16"
                                          r"(.|\n)*num_steps: 9 -> 6"):
         trainer.train(config, workdir)
-    assert (workdir / run_config.CONFIG_FILE).read_text() == saved
-    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", run_config.CONFIG_FILE]
+    assert (workdir / config_defaults.CONFIG_FILE).read_text() == saved
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", config_defaults.CONFIG_FILE]
 
 
 def _checkpointed_workdir(path, config):
     """A workdir as a run of ``config`` leaves it after its first checkpoint (step 2)."""
     (path / "checkpoints" / "2").mkdir(parents=True)
-    (path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(config)))
+    (path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(config)))
     return path
 
 
@@ -364,19 +364,19 @@ def test_a_run_without_checkpoints_does_not_block_a_corrected_rerun(tmp_path):
     """A config.json left by a run that failed before its first checkpoint (another config,
     or a damaged file) is replaced: nothing depends on it yet."""
     config = syn.tiny_config()
-    for text in (json.dumps(run_config.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
+    for text in (json.dumps(config_defaults.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
                  ""):
-        (tmp_path / run_config.CONFIG_FILE).write_text(text)
+        (tmp_path / config_defaults.CONFIG_FILE).write_text(text)
         (tmp_path / "checkpoints").mkdir(exist_ok=True)       # created, nothing saved
         workdir_lib.check_workdir(tmp_path, config)
-        assert workdir_lib.config_to_save(tmp_path, config) == run_config.config_dict(config)
+        assert workdir_lib.config_to_save(tmp_path, config) == config_defaults.config_dict(config)
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda w: (w / "metrics.jsonl").mkdir(), "metrics.jsonl is a directory, not a file: move it "
                                              "out of the workdir"),
     (lambda w: (w / "loss_curve.png").mkdir(), "loss_curve.png is a directory, not a file"),
-    (lambda w: (w / run_config.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
+    (lambda w: (w / config_defaults.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
     (lambda w: (w / "tensorboard").write_text(""), "tensorboard is a file, not a directory"),
     (lambda w: (w / "checkpoints").symlink_to(w / "volume"),
      r"checkpoints is a symbolic link to '.*/volume', which does not exist \(storage not "
@@ -413,11 +413,11 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
     saved checkpoints (lost, or on storage that is not mounted); a run that stopped before or
     just after its first save (async) starts over."""
     config = syn.tiny_config()   # checkpoint.every_steps = 2
-    (tmp_path / run_config.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
+    (tmp_path / config_defaults.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
     with pytest.raises(ValueError, match=r"its config.json is not a posjax run's \(keys "
                                          r"\['model_type', 'vocab_size'\]\); refusing"):
         workdir_lib.check_workdir(tmp_path, config)
-    (tmp_path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(config)))
+    (tmp_path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(config)))
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 5)))
@@ -430,7 +430,7 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
         workdir_lib.check_workdir(tmp_path, config)
     # The interval the metrics were written with is the saved run's, not this command's.
     saved_every_step = syn.tiny_config(**{"checkpoint.every_steps": 1})
-    (tmp_path / run_config.CONFIG_FILE).write_text(json.dumps(run_config.config_dict(saved_every_step)))
+    (tmp_path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(saved_every_step)))
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 4)))
     with pytest.raises(ValueError, match=r"up to step 3 .*\(checkpoint.every_steps=1\)"):
@@ -439,13 +439,13 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
 
 def test_damaged_config_json_is_named_with_the_fix(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
-    (workdir / run_config.CONFIG_FILE).write_text("")
-    message = f"{workdir / run_config.CONFIG_FILE} is damaged.*restore it from a copy"
+    (workdir / config_defaults.CONFIG_FILE).write_text("")
+    message = f"{workdir / config_defaults.CONFIG_FILE} is damaged.*restore it from a copy"
     with pytest.raises(ValueError, match=message):
         workdir_lib.check_workdir(workdir, syn.tiny_config())
     with pytest.raises(ValueError, match=message):
-        run_config.load_saved_config(workdir)
-    (workdir / run_config.CONFIG_FILE).write_text("[1, 2]")
+        config_defaults.load_saved_config(workdir)
+    (workdir / config_defaults.CONFIG_FILE).write_text("[1, 2]")
     with pytest.raises(ValueError, match="damaged \\(not a JSON object\\)"):
         workdir_lib.check_workdir(workdir, syn.tiny_config())
 
@@ -453,17 +453,17 @@ def test_damaged_config_json_is_named_with_the_fix(tmp_path):
 def test_saved_config_of_another_program_or_an_older_run(tmp_path):
     """configs/saved.py (eval.py's default) refuses another program's config.json in one
     error, and fills a key an older run's config.json lacks with today's default."""
-    path = tmp_path / run_config.CONFIG_FILE
+    path = tmp_path / config_defaults.CONFIG_FILE
     path.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ValueError, match=r"is not a posjax run's config \(keys \['architec"):
-        run_config.load_saved_config(tmp_path)
-    old = run_config.config_dict(syn.tiny_config())
+        config_defaults.load_saved_config(tmp_path)
+    old = config_defaults.config_dict(syn.tiny_config())
     del old["eval_batch_size"], old["distributed"], old["checkpoint"]["async_save"]
     path.write_text(json.dumps(old))
-    loaded = run_config.load_saved_config(tmp_path)
+    loaded = config_defaults.load_saved_config(tmp_path)
     assert loaded.eval_batch_size == 0 and loaded.distributed.enabled is False
     assert loaded.checkpoint.async_save is True and loaded.checkpoint.every_steps == 2
-    assert run_config.config_dict(loaded) == run_config.config_dict(syn.tiny_config())
+    assert config_defaults.config_dict(loaded) == config_defaults.config_dict(syn.tiny_config())
 
 
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
@@ -471,17 +471,17 @@ def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_
     when they listed only the fields they set resumes and evaluates with the recipe, also with
     another remat or gather (how the same model is computed); a real model change is still
     refused."""
-    from posjax.training.text_recipes import mlm_config
+    from configs.text_recipes import mlm_config
     config = mlm_config("deberta", "tiny")
     assert {"remat", "scan_layers", "gather"} <= set(config.model)
     workdir = _checkpointed_workdir(tmp_path, config)
-    saved = json.loads((workdir / run_config.CONFIG_FILE).read_text())
+    saved = json.loads((workdir / config_defaults.CONFIG_FILE).read_text())
     recipe_set = {"position_scheme", "vocab_size", "hidden_size", "num_heads", "num_layers",
                   "mlp_dim", "max_position_embeddings", "type_vocab_size", "hidden_act",
                   "layer_norm_eps", "dropout_rate", "attention_dropout_rate", "use_emd",
                   "position_biased_input", "max_relative_positions", "pos_att_type"}
     saved["model"] = {k: v for k, v in saved["model"].items() if k in recipe_set}
-    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(saved))
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(saved))
     workdir_lib.check_workdir(workdir, config)
     workdir_lib.check_eval_config(workdir, config)
     computed_otherwise = config.copy_and_resolve_references()
@@ -649,7 +649,7 @@ def test_split_tags_keep_splits_apart():
 
 
 def test_eval_tags_keep_other_data_apart():
-    saved = run_config.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
+    saved = config_defaults.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
     same = syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "v", "worker_count": 2}})
     assert results_lib.eval_tag(None, same) == "" and results_lib.eval_tag(saved, same) == ""
     assert results_lib.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
@@ -660,8 +660,8 @@ def test_eval_tags_keep_other_data_apart():
 
 
 def test_operational_keys_may_change_on_resume():
-    a = run_config.config_dict(syn.tiny_config())
-    b = run_config.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
+    a = config_defaults.config_dict(syn.tiny_config())
+    b = config_defaults.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
                                             "log_every_steps": 3, "eval_batch_size": 8}))
     assert run_config.config_differences(a, b) == []
 
@@ -699,28 +699,28 @@ def test_jsonl_drops_records_after_the_resume_step(tmp_path):
 
 
 def test_peak_flops_sources():
-    configured = metrics.peak_flops_per_device(5e12)
+    configured = peak_flops.peak_flops_per_device(5e12)
     assert (configured.value, configured.source, configured.measure) == (
         5e12, "config.peak_flops", None)
-    measured = metrics.peak_flops_per_device()
+    measured = peak_flops.peak_flops_per_device()
     assert measured.value > 1e8 and measured.source.startswith("measured")   # CPU: no table
-    assert measured.measure is metrics.measure_matmul_flops
+    assert measured.measure is peak_flops.measure_matmul_flops
 
 
 def test_best_rate_keeps_the_fastest_trial():
     clock = iter([0.0, 3.0, 10.0, 12.0, 20.0, 25.0]).__next__   # trials of 3 s, 2 s, 5 s
     calls = []
-    assert metrics.best_rate(8.0, lambda: calls.append(1), 3, timer=clock) == 4.0
+    assert peak_flops.best_rate(8.0, lambda: calls.append(1), 3, timer=clock) == 4.0
     assert len(calls) == 3
 
 
 def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
     measurements = iter([150.0, 400.0])
-    peak = metrics.PeakFlops(100.0, "measured", measure=lambda: next(measurements))
+    peak = peak_flops.PeakFlops(100.0, "measured", measure=lambda: next(measurements))
     assert peak.mfu(50.0) == 0.5 and peak.value == 100.0        # <= 1: not re-measured
     assert peak.mfu(200.0) == 1.0 and peak.value == 200.0       # re-measured 150 < achieved
     assert peak.mfu(300.0) == 0.75 and peak.value == 400.0      # re-measured 400
-    fixed = metrics.PeakFlops(100.0, "config.peak_flops")
+    fixed = peak_flops.PeakFlops(100.0, "config.peak_flops")
     assert fixed.mfu(200.0) == 2.0 and fixed.value == 100.0     # a configured peak is kept
 
 
@@ -821,7 +821,7 @@ def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"holds a run with another config(.|\n)*"
                                          r"optimizer.learning_rate: 0.05 -> "):
         trainer.train(config, tmp_path / "w")
-    assert json.loads((tmp_path / "w" / run_config.CONFIG_FILE).read_text()) == run_config.config_dict(other)
+    assert json.loads((tmp_path / "w" / config_defaults.CONFIG_FILE).read_text()) == config_defaults.config_dict(other)
 
 
 def test_a_save_that_fails_for_another_reason_than_storage_is_no_save_failed(tmp_path):

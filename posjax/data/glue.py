@@ -56,6 +56,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from posjax import config_defaults
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
                                 pad_to_full_batches, stack_examples, utf8_lines)
@@ -475,18 +476,9 @@ def write_submission(task: GlueTask, split: str, idx: np.ndarray, predictions: n
 
 
 def default_glue_data_config(task: str = "sst2") -> ml_collections.ConfigDict:
-    """Every GLUE data key with its default (see the module docstring)."""
+    """Every GLUE data key with its default (``config_defaults.glue_data_config``)."""
     get_task(task)
-    return ml_collections.ConfigDict({
-        "task": task,
-        "glue_dir": "",
-        "data_dir": "",
-        "train_split": "train",
-        "test_split": "validation_matched" if task == "mnli" else "validation",
-        "tokenizer": "",
-        "lowercase": True,
-        "max_seq_length": 128,
-    })
+    return config_defaults.glue_data_config(task)
 
 
 def validate_glue_data_config(cfg: ml_collections.ConfigDict) -> None:

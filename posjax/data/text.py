@@ -83,6 +83,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from posjax import config_defaults
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
                                 not_utf8_error, stack_examples, utf8_lines)
@@ -98,26 +99,8 @@ DOC_BOUNDARIES = ("blank_line", "line")
 
 
 def default_mlm_data_config() -> ml_collections.ConfigDict:
-    """Every MLM data key with its default (see the module docstring)."""
-    return ml_collections.ConfigDict({
-        "source": "text_files",
-        "text_files": {"train": ""},
-        "doc_boundary": "blank_line",
-        "tfds_name": "",
-        "data_dir": "",
-        "text_key": "text",
-        "train_split": "train",
-        "test_split": "train",
-        "tokenizer": "",
-        "lowercase": True,
-        "unk_marker": "",
-        "max_seq_length": 128,
-        "mask_rate": 0.15,
-        "max_predictions": 0,
-        "whole_word": False,
-        "mask_token_rate": 0.8,
-        "random_token_rate": 0.1,
-    })
+    """Every MLM data key with its default (``config_defaults.mlm_data_config``)."""
+    return config_defaults.mlm_data_config()
 
 
 def max_predictions(cfg: ml_collections.ConfigDict) -> int:

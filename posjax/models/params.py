@@ -8,10 +8,11 @@ are heads a fine-tuning run may re-initialise (``HEAD_ROOTS``), ViT's [CLS] toke
 the [CLS] and prefix rows of position tables (``cls_row``, ``patch_table_prefix``), a scanned
 layer stack (``SCANNED_LAYERS``, ``first_layers``), the config fields that set each
 parameter's shape (``shape_fields``) and those that change what the same parameters compute
-(``SAME_FUNCTION_FIELDS``).
+(``SAME_FUNCTION_FIELDS``; ``unread_scheme_settings``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from posjax.models.layout import STACKED
@@ -139,3 +140,17 @@ SAME_FUNCTION_FIELDS = {
     "deberta_v2": ("pos_att_type", "max_relative_positions", "position_buckets",
                    "share_att_key", "norm_rel_ebd", "position_biased_input", "conv_act"),
 }
+
+
+def unread_scheme_settings(cfg: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(field, schemes that read it) for each scheme setting (``SAME_FUNCTION_FIELDS``) that
+    ``cfg`` sets away from its default although its own position scheme does not read it
+    (e.g. pos_att_type with bert_abs): such an override would change nothing."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    own = set(SAME_FUNCTION_FIELDS["*"]) | set(SAME_FUNCTION_FIELDS.get(cfg.position_scheme, ()))
+    readers: dict[str, tuple[str, ...]] = {}
+    for scheme, fields in SAME_FUNCTION_FIELDS.items():
+        for field in fields:
+            if scheme != "*" and field not in own:
+                readers[field] = readers.get(field, ()) + (scheme,)
+    return [(f, schemes) for f, schemes in readers.items() if getattr(cfg, f) != defaults[f]]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
+from posjax import config_defaults
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import run_config
 from posjax.training import workdir as workdir_lib
@@ -42,7 +43,7 @@ def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) ->
     ``_data-<8 hex digits>`` of the data source it reads: eval.py with another data.path,
     data_dir, glue_dir, text_files or tokenizer writes its results beside the run's, not over
     them (so does a source key the saved config lacks)."""
-    current = data_source(run_config.config_dict(config))
+    current = data_source(config_defaults.config_dict(config))
     if saved is None or data_source(saved) == current:
         return ""
     digest = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()
@@ -57,7 +58,7 @@ def evaluated_split(config: ml_collections.ConfigDict) -> str:
 def write_eval(run: run_setup.Run, step: int, result: dict[str, float]) -> pathlib.Path:
     split = evaluated_split(run.config)
     path = eval_file(run.workdir, step, split, run.eval_tag)
-    source = {"data": data_source(run_config.config_dict(run.config))} if run.eval_tag else {}
+    source = {"data": data_source(config_defaults.config_dict(run.config))} if run.eval_tag else {}
     if run.is_main:
         with ckpt_lib.writing(f"the eval result {path}"):
             workdir_lib.write_json(path, {"step": step, "split": split, **source, **result})

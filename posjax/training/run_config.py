@@ -7,19 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
 from typing import Any
 
 import ml_collections
 
 from posjax import config_defaults
-from posjax.io_utils import local_path
 from posjax.models import config as model_config
 from posjax.models import params as params_lib
 from posjax.training import optim, profiler
 from posjax.training.tasks import make_task
-
-CONFIG_FILE = "config.json"
 
 
 # Keys that may change between a run and its resumption: they change neither the math nor the
@@ -28,9 +24,10 @@ CONFIG_FILE = "config.json"
 # model.gather only say how the same model is computed (recomputed activations, DeBERTa's
 # relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
+# data_root only seeds the recipes' data paths, which are compared themselves.
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
                     "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather",
-                    "profile")
+                    "profile", "data_root")
 
 
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
@@ -83,11 +80,6 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
     profiler.validate(config.profile, config.num_steps)
 
 
-def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as plain JSON-compatible data (tuples become lists)."""
-    return json.loads(config.to_json())
-
-
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
     """{dotted key (``data.text_files.valid``): value} of a config dict."""
     return {".".join(path): v for path, v in params_lib.flatten(config).items()}
@@ -121,44 +113,3 @@ def with_model_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "model": json.loads(json.dumps(dataclasses.asdict(model)))}
 
 
-def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
-    """The run's ``config.json`` as a dict; None when the workdir has none."""
-    path = local_path(workdir, "--workdir") / CONFIG_FILE
-    if not path.exists():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:   # OSError: a directory
-        saved = e
-    if not isinstance(saved, dict):
-        why = saved if isinstance(saved, Exception) else "not a JSON object"
-        raise ValueError(f"{path} is damaged ({why}): it should hold the run's config as JSON; "
-                         "restore it from a copy, or use a new --workdir")
-    return saved
-
-
-def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """The config a train.py run saved in ``workdir`` (its ``config.json``); a key it lacks
-    (saved before the key existed) takes ``default_config``'s value."""
-    saved = read_saved_config(workdir)
-    path = local_path(workdir, '--workdir') / CONFIG_FILE
-    if saved is None:
-        raise ValueError(f"{path} does not exist: give the --workdir of a train.py run "
-                         "(or --config)")
-    if not (isinstance(saved.get("task"), str) and isinstance(saved.get("model"), dict)
-            and isinstance(saved.get("data"), dict)):
-        raise ValueError(f"{path} is not a posjax run's config (keys {sorted(saved)[:8]}; a "
-                         "run's has task, model, data, ...): give the --workdir of a train.py "
-                         "run, or a --config file")
-    return ml_collections.ConfigDict(_with_defaults(config_dict(config_defaults.default_config()), saved))
-
-
-def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` with every key of ``defaults`` it lacks, recursively."""
-    out = dict(saved)
-    for k, v in defaults.items():
-        if k not in out:
-            out[k] = v
-        elif isinstance(v, dict) and isinstance(out[k], dict):
-            out[k] = _with_defaults(v, out[k])
-    return out

@@ -14,6 +14,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
+from posjax import config_defaults
 from posjax.io_utils import local_path
 from posjax.training import mesh as mesh_lib
 from posjax.training import optim
@@ -93,7 +94,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     identity = task.data_identity()
     processes.check_same_data_identity(config, identity)
     if not training:   # (train.py checks once it holds the workdir)
-        processes.check_shared_workdir(workdir, run_config.CONFIG_FILE)
+        processes.check_shared_workdir(workdir, config_defaults.CONFIG_FILE)
     pretrained = workdir_lib.evaluates_init_from(config, workdir, training)
     tag = ""
     if training:

@@ -23,16 +23,17 @@ import jax
 import ml_collections
 import numpy as np
 
+from posjax import config_defaults
 from posjax.io_utils import signals_to_receiver_thread
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import errors
 from posjax.training import evaluator
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
+from posjax.training import peak_flops
 from posjax.training import processes
 from posjax.training import profiler
 from posjax.training import results
-from posjax.training import run_config
 from posjax.training import run_setup
 from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
@@ -86,7 +87,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                 if run.is_main:
                     # Again: another run may have ended.
                     workdir_lib.check_workdir(run.workdir, config, run.data_identity)
-                    workdir_lib.write_json(run.workdir / run_config.CONFIG_FILE, workdir_lib.config_to_save(run.workdir, config))
+                    workdir_lib.write_json(run.workdir / config_defaults.CONFIG_FILE, workdir_lib.config_to_save(run.workdir, config))
                     workdir_lib.write_data_identity(run.workdir, run.data_identity)
                 checkpointer = ckpt_lib.Checkpointer(
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
@@ -138,7 +139,7 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
     progress = metrics_lib.Progress(num_steps, start)
     accumulator = metrics_lib.MetricAccumulator()
     step_flops = task.train_flops().total(config.batch_size)
-    peak = metrics_lib.peak_flops_per_device(config.peak_flops)
+    peak = peak_flops.peak_flops_per_device(config.peak_flops)
     run_setup.print_main(run, f"{step_flops:.4g} train FLOPs/step; MFU against {peak.value:.4g} FLOP/s per "
                 f"device ({peak.source}) x {jax.device_count()} devices")
     run_setup.print_main(run, errors.state_size_line(run))
@@ -221,7 +222,7 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
 
 def _log_train(run: run_setup.Run, step: int, accumulator: metrics_lib.MetricAccumulator,
                progress: metrics_lib.Progress, writer: metrics_lib.MetricWriter,
-               step_flops: float, peak: metrics_lib.PeakFlops) -> None:
+               step_flops: float, peak: peak_flops.PeakFlops) -> None:
     scalars = accumulator.result()
     steps_per_s, elapsed, input_wait = progress.rate(step)
     examples_per_s = steps_per_s * run.config.batch_size

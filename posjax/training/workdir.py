@@ -19,6 +19,7 @@ from typing import Any
 
 import ml_collections
 
+from posjax import config_defaults
 from posjax.data import identity as identity_lib
 from posjax.io_utils import cannot_write_in, check_creatable, local_path, write_text_atomically
 from posjax.training import metrics as metrics_lib
@@ -50,13 +51,13 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
     if not saved_steps(workdir):
         check_fresh_start(workdir, config)
         return
-    saved = run_config.read_saved_config(workdir)
+    saved = config_defaults.read_saved_config(workdir)
     if saved is None:
-        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {run_config.CONFIG_FILE} (the "
+        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {config_defaults.CONFIG_FILE} (the "
                          "run's config): restore it from a copy to resume, or use a new "
                          "--workdir")
     diffs = run_config.config_differences(run_config.with_model_defaults(saved),
-                               run_config.with_model_defaults(run_config.config_dict(config)))
+                               run_config.with_model_defaults(config_defaults.config_dict(config)))
     if diffs:
         raise ValueError(
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "
@@ -77,7 +78,7 @@ def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict
         key, entry, recorded = different
         ranges = id_ranges(identity_lib.changed_blocks(recorded, entry))
         raise ValueError(
-            f"{key}={run_config.flatten(run_config.config_dict(config)).get(key)!r} holds other content than this run "
+            f"{key}={run_config.flatten(config_defaults.config_dict(config)).get(key)!r} holds other content than this run "
             f"was trained with (ids {ranges} differ from what the run recorded in "
             f"{workdir / DATA_IDENTITY_FILE}): give the file the run used"
             + (", or start a new --workdir" if training else ""))
@@ -102,12 +103,12 @@ def check_init_from_data(config: ml_collections.ConfigDict,
     if different is None:
         return
     key, entry, recorded = different
-    theirs = run_config.flatten(run_config.read_saved_config(source) or {}).get(key)   # a converter folder: None
+    theirs = run_config.flatten(config_defaults.read_saved_config(source) or {}).get(key)   # a converter folder: None
     origin = (f"the run init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} "
               "there" if theirs is not None else
               f"the weights init_from={str(config.init_from)!r} came with (the tokenizer files "
               "of the folder they were converted from")
-    here = f"{key}={run_config.flatten(run_config.config_dict(config)).get(key)!r}"
+    here = f"{key}={run_config.flatten(config_defaults.config_dict(config)).get(key)!r}"
     share = identity_lib.changed_share(recorded, entry)
     if share > EDITED_VOCABULARY_SHARE:
         raise ValueError(
@@ -139,7 +140,7 @@ def check_writable(workdir: pathlib.Path) -> None:
 # What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
 # into ("written") and files it replaces whole ("replaced": only the workdir must be writable).
 TRAIN_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "metrics.jsonl": "written",
-                 workdir_lock.LOCK_FILE: "written", run_config.CONFIG_FILE: "replaced",
+                 workdir_lock.LOCK_FILE: "written", config_defaults.CONFIG_FILE: "replaced",
                  DATA_IDENTITY_FILE: "replaced", "loss_curve.png": "replaced"}
 
 
@@ -179,12 +180,12 @@ def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
     that must have saved checkpoints (they were lost, or are on storage that is not mounted:
     starting over would erase its metrics.jsonl)."""
     try:
-        saved = run_config.read_saved_config(workdir)
+        saved = config_defaults.read_saved_config(workdir)
     except ValueError:   # damaged (a run cut short while writing it): replaced
         saved = None
-    ours = set(run_config.config_dict(config))
+    ours = set(config_defaults.config_dict(config))
     if saved is not None and not ("task" in saved and set(saved) <= ours):
-        raise ValueError(f"workdir {str(workdir)!r}: its {run_config.CONFIG_FILE} is not a posjax run's "
+        raise ValueError(f"workdir {str(workdir)!r}: its {config_defaults.CONFIG_FILE} is not a posjax run's "
                          f"(keys {sorted(saved)[:8]}); refusing to replace it: use another "
                          "--workdir")
     # The first save is at every_steps; by the log after step 2 * every_steps it is on disk
@@ -204,14 +205,14 @@ def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict
                       ) -> dict[str, Any] | None:
     """Evaluation may change only run_config.EVAL_KEYS against the run's ``config.json`` (the rest defines
     the model and the state its checkpoints hold). Returns that saved config (None: none)."""
-    saved = run_config.read_saved_config(workdir)
+    saved = config_defaults.read_saved_config(workdir)
     if saved is None:
         return None
     diffs = run_config.config_differences(run_config.with_model_defaults(saved),
-                               run_config.with_model_defaults(run_config.config_dict(config)), run_config.EVAL_KEYS)
+                               run_config.with_model_defaults(config_defaults.config_dict(config)), run_config.EVAL_KEYS)
     if diffs:
         raise ValueError(
-            f"the config differs from the run's {workdir / run_config.CONFIG_FILE} in keys that define the "
+            f"the config differs from the run's {workdir / config_defaults.CONFIG_FILE} in keys that define the "
             "model or its checkpointed state:\n  " + "\n  ".join(diffs[:20])
             + "\nEvaluate with the run's own config (eval.py reads it when --config is not "
             "given); overrides may change only " + ", ".join(run_config.EVAL_KEYS))
@@ -221,9 +222,9 @@ def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict
 def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The config.json of a (re)started run: ``config``, except that a resumed run keeps the
     saved ``init_from`` (where its weights came from; a resume does not read it)."""
-    data = run_config.config_dict(config)
+    data = config_defaults.config_dict(config)
     if saved_steps(workdir):
-        data["init_from"] = run_config.read_saved_config(workdir).get("init_from", "")
+        data["init_from"] = config_defaults.read_saved_config(workdir).get("init_from", "")
     return data
 
 
@@ -233,4 +234,4 @@ def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path
     ``workdir`` is not a run's (no checkpoint, no ``config.json``: a run is evaluated on its
     own checkpoints)."""
     return (not training and bool(config.init_from) and not saved_steps(workdir)
-            and not os.path.lexists(workdir / run_config.CONFIG_FILE))
+            and not os.path.lexists(workdir / config_defaults.CONFIG_FILE))
