@@ -58,7 +58,8 @@ class EvalProgress:
                 f"{(self.examples - self.start_examples) / elapsed:.4g}  ETA {eta}")
 
 
-def run_evaluation(run: run_setup.Run, params: Any, eval_step, batches: Iterator[dict[str, np.ndarray]],
+def run_evaluation(run: run_setup.Run, params: Any, eval_step,
+                   batches: Iterator[dict[str, np.ndarray]],
                    num_batches: int | None, predictions_dir: pathlib.Path | None = None,
                    holds_state: bool = False) -> dict[str, float]:
     """One pass over the test split's ``batches`` (this process's, ``num_batches`` of them; a
@@ -172,7 +173,8 @@ def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
     return chosen, sorted({*steps, chosen})
 
 
-def _restore_for_eval(run: run_setup.Run, step: int, latest: bool) -> tuple[state_lib.TrainState, int]:
+def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
+                      ) -> tuple[state_lib.TrainState, int]:
     """The state at ``step``. A run training in the workdir may rotate that step out
     (checkpoint.keep) while eval.py starts: then the new ``latest`` step is read, or, for a
     step asked for by number, one error says what happened."""

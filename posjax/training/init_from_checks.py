@@ -184,7 +184,8 @@ def function_mismatches(saved: dict[str, Any], model_config: Any, with_pooler: b
                *((theirs.position_scheme,) if "position_scheme" in saved
                  or missing_are_defaults else ()))
     for scheme in dict.fromkeys(schemes):
-        fields += tuple(f for f in params_lib.SAME_FUNCTION_FIELDS.get(scheme, ()) if f not in fields)
+        fields += tuple(f for f in params_lib.SAME_FUNCTION_FIELDS.get(scheme, ())
+                        if f not in fields)
     if not missing_are_defaults:
         fields = tuple(f for f in fields if f in saved)
     if getattr(model_config, "grid_size", None) != getattr(theirs, "grid_size", None):

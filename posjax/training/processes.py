@@ -27,7 +27,6 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from posjax import config_defaults
 from posjax.data import identity as identity_lib
 from posjax.training import run_config
 from posjax.training import init_from as init_from_lib
@@ -168,7 +167,7 @@ def _read(path: pathlib.Path) -> str | None:
 def check_same_config(config: ml_collections.ConfigDict) -> None:
     """Every process must have process 0's config (``config.distributed`` may differ):
     ``check_agree``."""
-    check_agree(lambda: {k: v for k, v in run_config.flatten(config_defaults.config_dict(config)).items()
+    check_agree(lambda: {k: v for k, v in run_config.flattened(config).items()
                                    if not run_config.under(k, ("distributed",))},
                           "were started with different configs",
                           "Start every process with the same --config and --config.* flags "
@@ -181,7 +180,7 @@ def check_same_data_identity(config: ml_collections.ConfigDict,
     vocabulary), though the configs agree: a host with another copy under the same path."""
     def show(key: str, entry: Any, first: Any) -> str:
         ranges = workdir_lib.id_ranges(identity_lib.changed_blocks(first or {}, entry or {}))
-        return f"{key}={run_config.flatten(config_defaults.config_dict(config)).get(key)!r} holds another vocabulary than " \
+        return f"{key}={run_config.flattened(config).get(key)!r} holds another vocabulary than " \
                f"process 0's (ids {ranges} differ)"
 
     check_agree(lambda: data_identity, "read different data",

@@ -35,7 +35,8 @@ def eval_file(workdir: pathlib.Path, step: int, split: str, tag: str = "") -> pa
 
 def data_source(config: dict[str, Any]) -> dict[str, Any]:
     """The ``DATA_SOURCE_KEYS`` values of a config dict, flattened (``data.text_files.valid``)."""
-    return {k: v for k, v in run_config.flatten(config).items() if run_config.under(k, run_config.DATA_SOURCE_KEYS)}
+    return {k: v for k, v in run_config.flatten(config).items()
+            if run_config.under(k, run_config.DATA_SOURCE_KEYS)}
 
 
 def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from posjax import config_defaults
-from posjax.models import config as model_config
+from posjax.models.config import check
 from posjax.models import params as params_lib
 from posjax.training import optim, profiler
 from posjax.training.tasks import make_task
@@ -46,8 +46,8 @@ DATA_SOURCE_KEYS = ("data.path", "data.data_dir", "data.glue_dir", "data.text_fi
 
 def check_known_keys(config: ml_collections.ConfigDict) -> None:
     """Every key (top level, optimizer, checkpoint, profile, distributed) must be one
-    config_defaults.default_config defines: a misspelt key in a config file would otherwise be ignored
-    silently."""
+    config_defaults.default_config defines: a misspelt key in a config file would otherwise be
+    ignored silently."""
     defaults = config_defaults.default_config()
     problems = [f"{k!r}" for k in sorted(set(config) - set(defaults))]
     for group in ("optimizer", "checkpoint", "profile", "distributed"):
@@ -64,18 +64,18 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
     check_known_keys(config)
     for key in ("num_steps", "batch_size", "microbatches", "log_every_steps"):
         v = config[key]
-        model_config.check(isinstance(v, int) and v > 0, f"{key}={v!r} is not valid: must be a positive "
-                                             "integer")
+        check(isinstance(v, int) and v > 0,
+              f"{key}={v!r} is not valid: must be a positive integer")
     for key in ("eval_batch_size", "eval_every_steps"):
         v = config[key]
-        model_config.check(isinstance(v, int) and v >= 0, f"{key}={v!r} is not valid: must be an integer "
-                                              ">= 0 (0 = default)")
-    model_config.check(config.checkpoint.every_steps > 0, f"checkpoint.every_steps="
-           f"{config.checkpoint.every_steps!r} is not valid: must be > 0")
-    model_config.check(config.checkpoint.keep >= 0, f"checkpoint.keep={config.checkpoint.keep!r} is not "
-           "valid: must be >= 0 (0 keeps all)")
-    model_config.check(0 <= config.peak_flops < math.inf, f"peak_flops={config.peak_flops!r} is not valid: "
-           "must be a finite number >= 0 (0 = default)")
+        check(isinstance(v, int) and v >= 0,
+              f"{key}={v!r} is not valid: must be an integer >= 0 (0 = default)")
+    check(config.checkpoint.every_steps > 0, f"checkpoint.every_steps="
+          f"{config.checkpoint.every_steps!r} is not valid: must be > 0")
+    check(config.checkpoint.keep >= 0, f"checkpoint.keep={config.checkpoint.keep!r} is not "
+          "valid: must be >= 0 (0 keeps all)")
+    check(0 <= config.peak_flops < math.inf, f"peak_flops={config.peak_flops!r} is not valid: "
+          "must be a finite number >= 0 (0 = default)")
     optim.validate(config.optimizer, config.num_steps)
     profiler.validate(config.profile, config.num_steps)
 
@@ -83,6 +83,11 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
     """{dotted key (``data.text_files.valid``): value} of a config dict."""
     return {".".join(path): v for path, v in params_lib.flatten(config).items()}
+
+
+def flattened(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``flatten`` of the config as plain data (``config_defaults.config_dict``)."""
+    return flatten(config_defaults.config_dict(config))
 
 
 def under(key: str, sections: tuple[str, ...]) -> bool:

@@ -106,9 +106,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first "
                          "(or give config.init_from to evaluate pretrained weights)")
     else:
-        workdir_lib.check_entries(workdir, workdir_lib.EVAL_ENTRIES)   # the metrics JSON goes beside the checkpoint
+        # The metrics JSON goes beside the checkpoint.
+        workdir_lib.check_entries(workdir, workdir_lib.EVAL_ENTRIES)
         tag = results.eval_tag(workdir_lib.check_eval_config(workdir, config), config)
-        workdir_lib.check_data_identity(workdir, config, identity, training=False)   # whatever its path
+        # Whatever its path:
+        workdir_lib.check_data_identity(workdir, config, identity, training=False)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
     abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)

@@ -87,7 +87,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                 if run.is_main:
                     # Again: another run may have ended.
                     workdir_lib.check_workdir(run.workdir, config, run.data_identity)
-                    workdir_lib.write_json(run.workdir / config_defaults.CONFIG_FILE, workdir_lib.config_to_save(run.workdir, config))
+                    workdir_lib.write_json(run.workdir / config_defaults.CONFIG_FILE,
+                                           workdir_lib.config_to_save(run.workdir, config))
                     workdir_lib.write_data_identity(run.workdir, run.data_identity)
                 checkpointer = ckpt_lib.Checkpointer(
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
@@ -140,7 +141,8 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
     accumulator = metrics_lib.MetricAccumulator()
     step_flops = task.train_flops().total(config.batch_size)
     peak = peak_flops.peak_flops_per_device(config.peak_flops)
-    run_setup.print_main(run, f"{step_flops:.4g} train FLOPs/step; MFU against {peak.value:.4g} FLOP/s per "
+    run_setup.print_main(run, f"{step_flops:.4g} train FLOPs/step; MFU against "
+                              f"{peak.value:.4g} FLOP/s per "
                 f"device ({peak.source}) x {jax.device_count()} devices")
     run_setup.print_main(run, errors.state_size_line(run))
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)   # init used the plain seed
@@ -208,7 +210,8 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
         checkpointer.wait()
         result = results.read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
-            result = evaluator.run_evaluation(run, state.params, eval_step, iter(test), test_batches,
+            result = evaluator.run_evaluation(run, state.params, eval_step, iter(test),
+                                              test_batches,
                                     holds_state=True)
         writer.write_once(step, "eval", result)
     writer.close()

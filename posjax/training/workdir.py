@@ -53,7 +53,8 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
         return
     saved = config_defaults.read_saved_config(workdir)
     if saved is None:
-        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no {config_defaults.CONFIG_FILE} (the "
+        raise ValueError(f"workdir {str(workdir)!r} holds checkpoints but no "
+                         f"{config_defaults.CONFIG_FILE} (the "
                          "run's config): restore it from a copy to resume, or use a new "
                          "--workdir")
     diffs = run_config.config_differences(run_config.with_model_defaults(saved),
@@ -78,7 +79,7 @@ def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict
         key, entry, recorded = different
         ranges = id_ranges(identity_lib.changed_blocks(recorded, entry))
         raise ValueError(
-            f"{key}={run_config.flatten(config_defaults.config_dict(config)).get(key)!r} holds other content than this run "
+            f"{key}={run_config.flattened(config).get(key)!r} holds other content than this run "
             f"was trained with (ids {ranges} differ from what the run recorded in "
             f"{workdir / DATA_IDENTITY_FILE}): give the file the run used"
             + (", or start a new --workdir" if training else ""))
@@ -103,12 +104,13 @@ def check_init_from_data(config: ml_collections.ConfigDict,
     if different is None:
         return
     key, entry, recorded = different
-    theirs = run_config.flatten(config_defaults.read_saved_config(source) or {}).get(key)   # a converter folder: None
+    # A converter folder: None.
+    theirs = run_config.flatten(config_defaults.read_saved_config(source) or {}).get(key)
     origin = (f"the run init_from={str(config.init_from)!r} was trained with ({key}={theirs!r} "
               "there" if theirs is not None else
               f"the weights init_from={str(config.init_from)!r} came with (the tokenizer files "
               "of the folder they were converted from")
-    here = f"{key}={run_config.flatten(config_defaults.config_dict(config)).get(key)!r}"
+    here = f"{key}={run_config.flattened(config).get(key)!r}"
     share = identity_lib.changed_share(recorded, entry)
     if share > EDITED_VOCABULARY_SHARE:
         raise ValueError(
@@ -185,7 +187,8 @@ def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
         saved = None
     ours = set(config_defaults.config_dict(config))
     if saved is not None and not ("task" in saved and set(saved) <= ours):
-        raise ValueError(f"workdir {str(workdir)!r}: its {config_defaults.CONFIG_FILE} is not a posjax run's "
+        raise ValueError(f"workdir {str(workdir)!r}: its {config_defaults.CONFIG_FILE} is not a "
+                         "posjax run's "
                          f"(keys {sorted(saved)[:8]}); refusing to replace it: use another "
                          "--workdir")
     # The first save is at every_steps; by the log after step 2 * every_steps it is on disk
@@ -203,16 +206,18 @@ def check_fresh_start(workdir: pathlib.Path, config: ml_collections.ConfigDict) 
 
 def check_eval_config(workdir: pathlib.Path, config: ml_collections.ConfigDict
                       ) -> dict[str, Any] | None:
-    """Evaluation may change only run_config.EVAL_KEYS against the run's ``config.json`` (the rest defines
+    """Evaluation may change only EVAL_KEYS against the run's ``config.json`` (the rest defines
     the model and the state its checkpoints hold). Returns that saved config (None: none)."""
     saved = config_defaults.read_saved_config(workdir)
     if saved is None:
         return None
     diffs = run_config.config_differences(run_config.with_model_defaults(saved),
-                               run_config.with_model_defaults(config_defaults.config_dict(config)), run_config.EVAL_KEYS)
+                               run_config.with_model_defaults(config_defaults.config_dict(config)),
+                               run_config.EVAL_KEYS)
     if diffs:
         raise ValueError(
-            f"the config differs from the run's {workdir / config_defaults.CONFIG_FILE} in keys that define the "
+            f"the config differs from the run's {workdir / config_defaults.CONFIG_FILE} in keys "
+            "that define the "
             "model or its checkpointed state:\n  " + "\n  ".join(diffs[:20])
             + "\nEvaluate with the run's own config (eval.py reads it when --config is not "
             "given); overrides may change only " + ", ".join(run_config.EVAL_KEYS))
