@@ -1,6 +1,7 @@
-"""The run config: which keys exist (``config_defaults``), their validation, how two configs
-are compared (``config_differences``: the keys that may change on resume or evaluation are
-free), and the config a run saved in its workdir (``CONFIG_FILE``).
+"""The run config: which keys exist (``config_defaults.default_config``), their validation,
+and how two configs are compared (``config_differences``: the keys that may change on resume
+or evaluation are free; a saved config's model section with its defaults filled in). The
+config a run saved in its workdir is read by ``config_defaults.load_saved_config``.
 """
 from __future__ import annotations
 
