@@ -3,7 +3,7 @@
 Reads the config train.py saved in the workdir (configs/saved.py:DIR) unless --config names
 another file; ``--config.*`` overrides apply on top of it. Evaluation may change only how and
 where it reads its data and on which devices (mesh, batch sizes, data paths and splits:
-``loop.EVAL_KEYS``); a config that differs from the run's config.json in any other key is
+``run_config.EVAL_KEYS``); a config that differs from the run's config.json in any other key is
 refused. It evaluates the latest checkpoint (or --step) on data.test_split and writes
 DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json; another
 --config.data.test_split writes its own file, and so does other data than the run's:
@@ -22,11 +22,13 @@ import sys
 
 from absl import app, flags, logging
 
-from posjax.training import loop
+from posjax import cli
+from posjax.training import evaluator
+from posjax.training import run_config
 
 SAVED_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "saved.py"
 
-loop.define_config_flag(None, "Config file[:variant] (default: the workdir's, "
+cli.define_config_flag(None, "Config file[:variant] (default: the workdir's, "
                               "configs/saved.py:WORKDIR).")
 flags.DEFINE_string("workdir", None, "Directory train.py wrote.", required=True)
 flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
@@ -54,16 +56,16 @@ def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
     if not flags.FLAGS.workdir.strip():
-        sys.exit(loop.EMPTY_WORKDIR)
+        sys.exit(cli.EMPTY_WORKDIR)
     config = flags.FLAGS.config
 
     def evaluate() -> dict:
-        loop.maybe_initialize_distributed(config)
-        return loop.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
+        cli.maybe_initialize_distributed(config)
+        return evaluator.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
                              flags.FLAGS.step)
 
-    print(json.dumps(loop.run_command(evaluate), indent=2))
+    print(json.dumps(cli.run_command(evaluate), indent=2))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=lambda argv: loop.parse_flags(with_saved_config(argv)))
+    app.run(main, flags_parser=lambda argv: cli.parse_flags(with_saved_config(argv)))

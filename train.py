@@ -9,11 +9,12 @@ import sys
 
 from absl import app, flags, logging
 
-from posjax.training import loop
+from posjax import cli
+from posjax.training import trainer
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
 
-loop.define_config_flag(DEFAULT_CONFIG, "Training config file[:variant].")
+cli.define_config_flag(DEFAULT_CONFIG, "Training config file[:variant].")
 DEFAULT_WORKDIR = "/tmp/posjax_digits"
 flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs (default, for the "
                     f"default config only: {DEFAULT_WORKDIR}).")
@@ -27,19 +28,19 @@ def main(argv):
     config = flags.FLAGS.config
     workdir = flags.FLAGS.workdir
     if workdir is not None and not workdir.strip():
-        sys.exit(loop.EMPTY_WORKDIR)
+        sys.exit(cli.EMPTY_WORKDIR)
     if workdir is None and flags.FLAGS["config"].present:
         sys.exit("error: --config needs a --workdir of its own (the default "
                  f"{DEFAULT_WORKDIR} is the default config's)")
 
-    def train() -> loop.TrainResult:
-        loop.maybe_initialize_distributed(config)
-        return loop.train(config, workdir or DEFAULT_WORKDIR)
+    def train() -> trainer.TrainResult:
+        cli.maybe_initialize_distributed(config)
+        return trainer.train(config, workdir or DEFAULT_WORKDIR)
 
-    result = loop.run_command(train)
+    result = cli.run_command(train)
     if result.stop_line():
         print(result.stop_line())
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=loop.parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.training.metrics import best_rate
+from posjax.training.peak_flops import best_rate
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ if __name__ == "__main__":   # before JAX starts: a simulated 8-device pod slice
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
-import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -105,11 +105,17 @@ def captured_stderr() -> Iterator[list[str]]:
 def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: int,
             width: int, layers: int, length: int) -> dict[str, Any]:
     """Compile the MLM train step of ``package`` (posjax or a variant) on ``mesh_shape``, set
-    up by its ``loop.prepare`` as train.py does (validated; nothing is written)."""
+    up by its ``run_setup.prepare`` as train.py does (validated; nothing is written). A
+    variant from before the split of training/loop.py uses its own recipes and ``loop``."""
     def module(name: str) -> Any:
         return importlib.import_module(f"{package.__name__}.training.{name}")
 
-    config = module("text_recipes").mlm_config(scheme, "tiny")
+    def has(name: str) -> bool:
+        return importlib.util.find_spec(f"{package.__name__}.training.{name}") is not None
+
+    recipes = (module("text_recipes") if has("text_recipes")
+               else importlib.import_module("configs.text_recipes"))
+    config = recipes.mlm_config(scheme, "tiny")
     config.model.update(hidden_size=width, num_heads=max(width // 64, 2), num_layers=layers,
                         mlp_dim=4 * width, max_position_embeddings=length)
     if scheme == "deberta":
@@ -120,7 +126,8 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
     config.mesh.update(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
     module("text_tasks")   # registers "mlm" (TASK_MODULES names the unaliased package)
     with tempfile.TemporaryDirectory() as workdir:
-        run = module("loop").prepare(config, workdir, training=True)
+        run = module("run_setup" if has("run_setup") else "loop").prepare(config, workdir,
+                                                                           training=True)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          run.abstract, run.shardings)
     step = module("steps").make_train_step(run.task, run.model, run.tx, run.mesh, run.shardings,

@@ -1,14 +1,14 @@
 """MLM pretraining of TUPE-A (untied positional attention, untied [CLS]).
 
-    python train.py --config configs/mlm_tupe_a.py:tiny --workdir runs/mlm_tupe_a_tiny   # CPU, WikiText-2
+    python train.py --config configs/mlm_tupe_a.py:size=tiny --workdir runs/mlm_tupe_a_tiny   # CPU, WikiText-2
     python train.py --config configs/mlm_tupe_a.py --workdir /shared/mlm_tupe_a             # base, seq 128
-    python train.py --config configs/mlm_tupe_a.py:seq512 --workdir ...                 # base, seq 512
+    python train.py --config configs/mlm_tupe_a.py:seq=512 --workdir ...                 # base, seq 512
 
-Recipes: posjax/training/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear
+Recipes: configs/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear
 decay, weight decay 0.01, clip 1; the base variants read TFDS wikipedia: set
 --config.data.tokenizer and --config.data.data_dir).
 """
-from posjax.training.text_recipes import mlm_config
+from configs.text_recipes import mlm_config
 
 
 def get_config(variant: str = ""):

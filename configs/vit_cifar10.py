@@ -3,26 +3,21 @@
 
     python train.py --config configs/vit_cifar10.py --workdir /tmp/cifar
 """
-import pathlib
-
-from posjax.data import default_data_config
-from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
-
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+from posjax import config_defaults as defaults
 
 
 def get_config(variant: str = ""):
-    if variant:
-        raise ValueError(f"variant {variant!r} is unknown: vit_cifar10.py has no variants; use "
-                         "--config configs/vit_cifar10.py")
-    config = default_config()
-    config.data = default_data_config("cifar10")
-    config.data.update(path=str(SHARED / "cifar10"), train_split="train_20k",
+    """Variant key: ``data_root`` (``configs/vit_cifar10.py:data_root=DIR``)."""
+    given = defaults.variant_values(variant, {"data_root": ""}, "configs/vit_cifar10.py")
+    config = defaults.default_config()
+    if given["data_root"]:
+        config.data_root = given["data_root"]
+    config.data = defaults.image_data_config("cifar10")
+    config.data.update(path=defaults.root_path(config, "cifar10"), train_split="train_20k",
                        test_split="test", image_size=32,
                        mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
-    config.model = model_defaults(
-        ViTConfig, position_scheme="vit", image_size=32, patch_size=4, num_channels=3,
+    config.model = defaults.vit_model(
+        position_scheme="vit", image_size=32, patch_size=4, num_channels=3,
         hidden_size=192, num_heads=3, num_layers=6, mlp_dim=768, num_classes=10, pooling="gap",
         dropout_rate=0.1)
     config.num_steps = 10000

@@ -27,9 +27,7 @@ The recipes compute as the official vit_jax code (tanh GELU, LayerNorm eps 1e-6)
 converted from Hugging Face ViT also needs ``--config.model.hidden_act=gelu
 --config.model.layer_norm_eps=1e-12`` (a run without them stops and says so).
 """
-from posjax.data import default_data_config
-from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax import config_defaults as defaults
 
 SIZES = {  # hidden, layers, heads
     "ti": (192, 12, 3), "s": (384, 12, 6), "b": (768, 12, 12), "l": (1024, 24, 16),
@@ -42,12 +40,13 @@ CIFAR_TRAIN = 50_000
 
 
 def parse_variant(variant: str) -> tuple[str, int, str]:
-    """'b16,finetune' -> ('b', 16, 'finetune')."""
-    parts = [p.strip() for p in (variant or "b16").split(",")]
-    model, mode = parts[0], parts[1] if len(parts) > 1 else "imagenet"
+    """'model=b16,mode=finetune' (older spelling 'b16,finetune') -> ('b', 16, 'finetune')."""
+    given = defaults.variant_values(variant, {"model": "b16", "mode": "imagenet"},
+                                    "configs/vit_imagenet.py")
+    model, mode = given["model"], given["mode"]
     size = model.rstrip("0123456789")
     patch = model[len(size):]
-    if size not in SIZES or not patch.isdigit() or len(parts) > 2 or mode not in MODES:
+    if size not in SIZES or not patch.isdigit() or mode not in MODES:
         raise ValueError(f"variant {variant!r} is unknown: use <model>[,<mode>] with model in "
                          "ti16, s16, s32, b16, b32, l16, l32, h14 and mode in "
                          f"{', '.join(MODES)}")
@@ -59,15 +58,15 @@ def get_config(variant: str = "b16"):
     hidden, layers, heads = SIZES[size]
     # Fine-tuning at 384 px; /14 patches need a multiple of 14: 518 px, the paper's ViT-H/14.
     resolution = (518 if patch == 14 else 384) if mode == "finetune" else 224
-    config = default_config()
-    config.model = model_defaults(
-        ViTConfig, position_scheme="vit", image_size=resolution, patch_size=patch,
+    config = defaults.default_config()
+    config.model = defaults.vit_model(
+        position_scheme="vit", image_size=resolution, patch_size=patch,
         num_channels=3, hidden_size=hidden, num_heads=heads, num_layers=layers,
         mlp_dim=4 * hidden, num_classes=1000, pooling="token", representation_size=hidden,
         hidden_act="gelu_tanh", layer_norm_eps=1e-6, dropout_rate=0.0, dtype="bfloat16",
         remat=size in ("l", "h"), scan_layers=True)
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
-    config.data = default_data_config("tfds")
+    config.data = defaults.image_data_config("tfds")
     config.data.update(tfds_name="imagenet2012", train_split="train", test_split="validation",
                        image_size=resolution, worker_count=16)
     config.log_every_steps = 100

@@ -6,25 +6,20 @@ data.train_split=train, data.test_split=test).
 
     python train.py --config configs/vit_mnist.py --workdir /tmp/mnist
 """
-import pathlib
-
-from posjax.data import default_data_config
-from posjax.models.config import ViTConfig
-from posjax.training.loop import default_config, model_defaults
-
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+from posjax import config_defaults as defaults
 
 
 def get_config(variant: str = ""):
-    if variant:
-        raise ValueError(f"variant {variant!r} is unknown: vit_mnist.py has no variants; use "
-                         "--config configs/vit_mnist.py")
-    config = default_config()
-    config.data = default_data_config("mnist")
-    config.data.update(path=str(SHARED / "mnist"), train_split="test[:8000]",
+    """Variant key: ``data_root`` (``configs/vit_mnist.py:data_root=DIR``)."""
+    given = defaults.variant_values(variant, {"data_root": ""}, "configs/vit_mnist.py")
+    config = defaults.default_config()
+    if given["data_root"]:
+        config.data_root = given["data_root"]
+    config.data = defaults.image_data_config("mnist")
+    config.data.update(path=defaults.root_path(config, "mnist"), train_split="test[:8000]",
                        test_split="test[8000:]", image_size=28)
-    config.model = model_defaults(
-        ViTConfig, position_scheme="vit", image_size=28, patch_size=7, num_channels=1,
+    config.model = defaults.vit_model(
+        position_scheme="vit", image_size=28, patch_size=7, num_channels=1,
         hidden_size=64, num_heads=4, num_layers=4, mlp_dim=128, num_classes=10, pooling="token",
         dropout_rate=0.1)
     config.num_steps = 3000

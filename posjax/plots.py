@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from posjax.data.common import write_atomically
+from posjax.io_utils import write_atomically
 
 
 def pyplot() -> Any:

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from posjax.data.glue import TASKS as GLUE_TASKS
-from posjax.training import loop, optim, state, steps
 from posjax.training import mesh as mesh_lib
+from posjax.training import optim, state, steps
+from posjax.training import run_config
 from posjax.training.tasks import make_task
-from posjax.training.text_recipes import SCHEMES as RECIPE_SCHEMES
+from configs.text_recipes import SCHEMES as RECIPE_SCHEMES
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RECIPES = [("vit_digits.py", ""), ("vit_digits.py", "tiny"), ("vit_mnist.py", ""),
@@ -83,8 +84,8 @@ def test_every_variant_passes_the_checks_made_before_reading_data():
         try:
             config = load_config(name, variant)
             make_task(config)
-            loop.validate_training_config(config)
-            loop.validate_batch(config, mesh_lib.build_mesh(config.mesh))
+            run_config.validate_training_config(config)
+            mesh_lib.validate_batch(config, mesh_lib.build_mesh(config.mesh))
         except ValueError as e:
             failures[f"{name}:{variant}"] = str(e)
     assert not failures

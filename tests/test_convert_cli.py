@@ -186,7 +186,7 @@ def test_the_vocabulary_of_an_imported_folder_guards_init_from(tmp_path):
 
     from posjax.data import identity
     from posjax.data.tokenizers import load_tokenizer, wordpiece_tokenizer
-    from posjax.training import loop
+    from posjax.training import workdir as workdir_lib
 
     torch.manual_seed(0)
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(35)]
@@ -209,11 +209,11 @@ def test_the_vocabulary_of_an_imported_folder_guards_init_from(tmp_path):
                                             "data": {"tokenizer": str(vocab)}})
         run_identity = {"data.tokenizer": load_tokenizer(vocab).vocabulary_identity()}
         if not refused:
-            loop.check_init_from_data(config, run_identity)
+            workdir_lib.check_init_from_data(config, run_identity)
             continue
         # 40 ids: one block of 1024, so two swapped ids change all of it.
         with pytest.raises(ValueError, match=re.escape(
                 f"data.tokenizer='{vocab}' is another vocabulary than the weights init_from="
                 f"'{tmp_path / 'ckpt'}' came with (the tokenizer files of the folder they were "
                 "converted from; 100% of the ids stand for other tokens)")):
-            loop.check_init_from_data(config, run_identity)
+            workdir_lib.check_init_from_data(config, run_identity)

@@ -309,7 +309,7 @@ def _run_workers_script(tmp_path, how):
 SNIPER_SCRIPT = """
 import contextlib, glob, os, signal, sys, threading, time
 from posjax.data import default_data_config, make_image_pipeline
-from posjax.data.common import signals_to_receiver_thread
+from posjax.io_utils import signals_to_receiver_thread
 
 def children():
     out = set()

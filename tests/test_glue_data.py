@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from posjax.data import glue
+from posjax.data.common import utf8_lines
 
 # Minimal files in the GLUE download layout (header rows exactly as distributed).
 LAYOUT = {
@@ -289,7 +290,7 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
     """Files replaced atomically (config.json, eval JSON, submissions) are 0666 less the umask,
     as a plain open() makes them: readable by others on shared storage (mkstemp gave 0600)."""
     import os
-    from posjax.data.common import write_text_atomically
+    from posjax.io_utils import write_text_atomically
     old = os.umask(0o022)
     try:
         write_text_atomically(tmp_path / "a.json", "{}\n")
@@ -310,8 +311,8 @@ def test_an_atomic_write_removes_the_temporary_file_of_a_killed_writer(tmp_path)
     import subprocess
     import sys
     import time
-    from posjax.data.common import write_text_atomically
-    hang = ("import sys, time, pathlib; from posjax.data.common import write_atomically; "
+    from posjax.io_utils import write_text_atomically
+    hang = ("import sys, time, pathlib; from posjax.io_utils import write_atomically; "
             "write_atomically(pathlib.Path(sys.argv[1]), "
             "lambda tmp: (tmp.write_text('partial'), time.sleep(600)))")
     writers = [subprocess.Popen([sys.executable, "-c", hang, str(tmp_path / name)])
@@ -350,4 +351,4 @@ def test_tsv_that_changes_while_it_is_read_is_one_error(tmp_path):
         yield "sentence\tlabel\n"
         raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
     with pytest.raises(ValueError, match=rf"^{path}: was not valid UTF-8 while it was read"):
-        list(glue._utf8_lines(lines_then_bad_byte(), path))
+        list(utf8_lines(lines_then_bad_byte(), path))

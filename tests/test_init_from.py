@@ -18,7 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import test_training_synthetic as syn
-from posjax.training import loop
+from posjax.training import run_setup
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
@@ -44,16 +46,16 @@ def test_workdir_params_load_and_a_pre_logits_head_is_not_reused(tmp_path, caplo
     assert "pre_logits" in saved
 
     config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    loaded, _ = state_lib.read_pretrained(tmp_path / "source", state.params,
+    loaded, _ = init_from_lib.read_pretrained(tmp_path / "source", state.params,
                                           run.shardings.params)
     assert sorted(loaded) == sorted(jax.tree_util.keystr(p) for p, _ in
                                     jax.tree_util.tree_leaves_with_path(saved))
 
     fresh = jax.tree.map(np.asarray, state.params)
     with caplog.at_level(logging.WARNING):
-        params = state_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
+        params = init_from_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
     # Same head shape (16 -> 4 classes either way), but it read tanh(pre_logits) features.
     np.testing.assert_array_equal(np.asarray(params["head"]["kernel"]), fresh["head"]["kernel"])
     np.testing.assert_array_equal(np.asarray(params["head"]["bias"]), fresh["head"]["bias"])
@@ -68,9 +70,9 @@ def test_workdir_params_load_and_a_pre_logits_head_is_not_reused(tmp_path, caplo
 def test_same_features_keep_the_pretrained_head(tmp_path):
     saved = write_workdir(tmp_path / "source", syn.tiny_config())
     config = syn.tiny_config(**{"init_from": str(tmp_path / "source")})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    params = state_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
+    params = init_from_lib.load_init_from(state, str(tmp_path / "source"), run.shardings).params
     np.testing.assert_array_equal(np.asarray(params["head"]["kernel"]), saved["head"]["kernel"])
 
 
@@ -85,7 +87,7 @@ def test_a_damaged_init_from_is_one_error_and_nothing_else(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     config = syn.tiny_config(**{"init_from": "source"})
     with pytest.raises(ValueError) as refused:   # before anything is compiled or written
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
     message = str(refused.value)
     assert re.fullmatch(
         rf"init_from='source': {tmp_path}/source/checkpoints/4/state: cannot read this "
@@ -110,12 +112,12 @@ def test_a_body_parameter_of_another_shape_is_refused_before_training(tmp_path):
             "model and would keep a random init: ['embedding']['kernel'] (saved (2, 2, 1, 16), "
             "here (4, 4, 1, 16)). Give config.model the pretrained model's values: "
             "--config.model.patch_size=\"(2, 2)\", or start without init_from")):
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
     assert not (tmp_path / "run").exists()
 
     write_workdir(tmp_path / "classes", syn.tiny_config(**{"model.num_classes": 7}))
     config = syn.tiny_config(**{"init_from": str(tmp_path / "classes")})
-    loop.prepare(config, tmp_path / "run2", training=True)   # another head: fine-tuning
+    run_setup.prepare(config, tmp_path / "run2", training=True)   # another head: fine-tuning
 
 
 def test_a_text_checkpoint_with_another_vocabulary_is_refused(tmp_path):
@@ -134,8 +136,8 @@ def test_a_text_checkpoint_with_another_vocabulary_is_refused(tmp_path):
                                          r", here \(48, 16\)\)\. Give config\.model the "
                                          r"pretrained model's values: "
                                          r"--config\.model\.vocab_size=40, or start"):
-        state_lib.check_init_from(folder, target, model_config=wider)
-    state_lib.check_init_from(folder, jax.eval_shape(lambda: saved), model_config=cfg)
+        init_from_checks.check_init_from(folder, target, model_config=wider)
+    init_from_checks.check_init_from(folder, jax.eval_shape(lambda: saved), model_config=cfg)
 
 
 def _text_checkpoint(tmp_path, **fields):
@@ -160,12 +162,12 @@ def test_a_shallower_scanned_model_takes_the_first_layers_and_a_deeper_one_is_re
     from posjax.models.layout import to_layout
     folder, saved, target = _text_checkpoint(tmp_path)
     cfg, params = target(num_layers=1, scan_layers=True)
-    state_lib.check_init_from(folder, params, model_config=cfg)
+    init_from_checks.check_init_from(folder, params, model_config=cfg)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    loaded, saved_cfg = state_lib.read_pretrained(folder, params,
+    loaded, saved_cfg = init_from_lib.read_pretrained(folder, params,
                                                   jax.tree.map(lambda _: replicated, params))
-    merged, notes = state_lib.merge_pretrained(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+    merged, notes = init_from_lib.merge_pretrained(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
                                                             params), loaded,
                                                jax.tree.map(lambda _: replicated, params),
                                                saved_cfg)
@@ -178,12 +180,12 @@ def test_a_shallower_scanned_model_takes_the_first_layers_and_a_deeper_one_is_re
         with pytest.raises(ValueError, match=r"would keep a random init: .*Give config\.model the "
                                              r"pretrained model's values: "
                                              r"--config\.model\.num_layers=2, or start"):
-            state_lib.check_init_from(folder, params, model_config=cfg)
+            init_from_checks.check_init_from(folder, params, model_config=cfg)
     folder0, _, target0 = _text_checkpoint(tmp_path / "v3", type_vocab_size=0)
     cfg, params = target0(type_vocab_size=2)
     with pytest.raises(ValueError, match=r"token_type_embeddings'\]\['embedding'\] \(not in "
                                          r"the checkpoint\).*--config\.model\.type_vocab_size=0"):
-        state_lib.check_init_from(folder0, params, model_config=cfg)
+        init_from_checks.check_init_from(folder0, params, model_config=cfg)
 
 
 def test_a_vit_for_another_grid_gets_the_pretrained_values(tmp_path):
@@ -198,7 +200,7 @@ def test_a_vit_for_another_grid_gets_the_pretrained_values(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's values: "
             "--config.model.max_relative_positions=2, or start without init_from")):
-        loop.prepare(config, tmp_path / "run", training=True)
+        run_setup.prepare(config, tmp_path / "run", training=True)
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -212,7 +214,7 @@ def test_a_layer_of_another_width_is_refused_with_that_width(tmp_path, scan):
         cfg, params = target(scan_layers=scan, **changes)
         with pytest.raises(ValueError, match=re.escape(
                 f". Give config.model the pretrained model's values: {flags}, or start")):
-            state_lib.check_init_from(folder, params, model_config=cfg)
+            init_from_checks.check_init_from(folder, params, model_config=cfg)
 
 
 def test_fields_the_saved_config_does_not_hold_are_named_not_guessed(tmp_path):
@@ -226,19 +228,19 @@ def test_fields_the_saved_config_does_not_hold_are_named_not_guessed(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's vocab_size (model_config.json there "
             "does not say it), or start")):
-        state_lib.check_init_from(folder, params, model_config=cfg)
+        init_from_checks.check_init_from(folder, params, model_config=cfg)
     (folder / "model_config.json").unlink()
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's embedding_size, vocab_size (there is "
             "no model_config.json there to say them), or start")):
-        state_lib.check_init_from(folder, params, model_config=cfg)
+        init_from_checks.check_init_from(folder, params, model_config=cfg)
     # A train.py workdir leaves out fields at their defaults, but only in a config.json.
     write_workdir(tmp_path / "run", syn.tiny_config(**{"model.patch_size": 2}))
     (tmp_path / "run" / "config.json").unlink()
     with pytest.raises(ValueError, match=re.escape(
             ". Give config.model the pretrained model's num_channels, patch_size (there is no "
             "config.json there to say them), or start")):
-        loop.prepare(syn.tiny_config(init_from=str(tmp_path / "run")), tmp_path / "new",
+        run_setup.prepare(syn.tiny_config(init_from=str(tmp_path / "run")), tmp_path / "new",
                      training=True)
 
 
@@ -252,8 +254,8 @@ def test_eval_of_the_weights_as_they_are_drops_no_layer(tmp_path):
                                              r"but .*\. Give config\.model the pretrained "
                                              r"model's values: --config\.model\.num_layers=2, "
                                              r"or train with train\.py"):
-            state_lib.check_init_from(folder, params, model_config=cfg, whole=True)
-        state_lib.check_init_from(folder, params, model_config=cfg)   # train.py: first layers
+            init_from_checks.check_init_from(folder, params, model_config=cfg, whole=True)
+        init_from_checks.check_init_from(folder, params, model_config=cfg)   # train.py: first layers
 
 
 def test_a_hybrid_stem_of_another_shape_names_its_fields(tmp_path):
@@ -268,4 +270,4 @@ def test_a_hybrid_stem_of_another_shape_names_its_fields(tmp_path):
                                     "init_from": str(tmp_path / "source")})
         with pytest.raises(ValueError, match=re.escape(
                 f". Give config.model the pretrained model's values: {flag}, or start")):
-            loop.prepare(config, tmp_path / "run", training=True)
+            run_setup.prepare(config, tmp_path / "run", training=True)

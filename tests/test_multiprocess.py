@@ -31,7 +31,10 @@ import pytest
 
 from jax_env import compilation_cache, xla_flags
 from posjax.training import checkpoint as ckpt_lib
-from posjax.training import loop
+from posjax.training import results as results_lib
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 24
@@ -136,7 +139,7 @@ def runs(tmp_path_factory):
     single, multi = root / "single", root / "multi"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(launch, multi, root, "first", sigterm_to=(1,), after_step=2)
-        loop.train(digits_tiny(**OVERRIDES), single)
+        trainer.train(digits_tiny(**OVERRIDES), single)
         first = first.result()
     resumed_at = _stopped_step(first[0][0])
     assert resumed_at + 2 < NUM_STEPS - 1, "the first preemption came too late to test a second"
@@ -187,14 +190,14 @@ def test_two_processes_equal_one_process(runs):
     assert sorted(losses_multi) == sorted(losses_single) == list(range(1, NUM_STEPS + 1))
     for step, loss in losses_single.items():
         assert abs(losses_multi[step] - loss) <= 1e-5, (step, losses_multi[step], loss)
-    eval_multi = json.loads(loop.eval_file(multi, NUM_STEPS, "test").read_text())
-    eval_single = json.loads(loop.eval_file(single, NUM_STEPS, "test").read_text())
+    eval_multi = json.loads(results_lib.eval_file(multi, NUM_STEPS, "test").read_text())
+    eval_single = json.loads(results_lib.eval_file(single, NUM_STEPS, "test").read_text())
     assert eval_multi["num_examples"] == eval_single["num_examples"] == 359
     assert abs(eval_multi["accuracy"] - eval_single["accuracy"]) <= 1 / 359
     config = digits_tiny(**OVERRIDES)
     params = []
     for workdir in (multi, single):
-        run = loop.prepare(config, workdir, training=False)
+        run = run_setup.prepare(config, workdir, training=False)
         checkpointer = ckpt_lib.Checkpointer(workdir, 1, 0, create=False)
         params.append(checkpointer.restore(NUM_STEPS, run.abstract).params)
         checkpointer.close()
@@ -205,10 +208,13 @@ def test_two_processes_equal_one_process(runs):
 
 LISTING_WITHOUT_THE_LATEST_STEP = """
 import runpy, sys
-from posjax.training import loop
+from posjax.training import results as results_lib
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
 if "--config.distributed.process_id=1" in sys.argv:
-    listed = loop.saved_steps
-    loop.saved_steps = lambda workdir: listed(workdir)[:-1]   # its listing lags a save
+    listed = workdir_lib.saved_steps
+    workdir_lib.saved_steps = lambda workdir: listed(workdir)[:-1]   # its listing lags a save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -219,7 +225,7 @@ def test_eval_processes_evaluate_the_step_process_0_chose(runs):
     latest step yet. Both evaluate process 0's latest step, and the result is the run's own
     final eval (before, process 1 restored an older step into the same global state)."""
     _, multi, _, _, _ = runs
-    path = loop.eval_file(multi, NUM_STEPS, "test")
+    path = results_lib.eval_file(multi, NUM_STEPS, "test")
     trained = json.loads(path.read_text())
     path.unlink()
     results = launch(multi, multi.parent, "eval", config=f"configs/saved.py:{multi}",
@@ -255,13 +261,13 @@ def test_eval_processes_agree_on_init_from_weights_and_evaluate_them(runs, tmp_p
     workdir: both read the same checkpoint (fingerprints agree) and give the run's own final
     eval, as step 0."""
     _, multi, _, _, _ = runs
-    trained = json.loads(loop.eval_file(multi, NUM_STEPS, "test").read_text())
+    trained = json.loads(results_lib.eval_file(multi, NUM_STEPS, "test").read_text())
     results = launch(tmp_path / "eval", tmp_path, "eval_init_from",
                      config=f"configs/saved.py:{multi}", script="eval.py",
                      overrides={"peak_flops": 1e12, "init_from": str(multi)})
     for output, code in results:
         assert code == 0, output[-3000:]
-    evaluated = json.loads(loop.eval_file(tmp_path / "eval", 0, "test").read_text())
+    evaluated = json.loads(results_lib.eval_file(tmp_path / "eval", 0, "test").read_text())
     assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
 
 
@@ -335,14 +341,14 @@ TEXT_OVERRIDES = {"num_steps": 4, "log_every_steps": 1, "eval_every_steps": 1000
 def test_text_model_two_processes_equal_one_process(tmp_path, shared_data):
     """MLM BERT-A with dropout on data 2 × fsdp 2 × tensor 2: the word-embedding lookup from the
     fsdp- and tensor-split table, across 2 processes, gives the losses of 1 process."""
-    from posjax.training.text_recipes import mlm_config
+    from configs.text_recipes import mlm_config
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         multi = pool.submit(launch, tmp_path / "multi", tmp_path, "text",
                             config="configs/mlm_bert_a.py:tiny", overrides=TEXT_OVERRIDES)
         config = mlm_config("bert_a", "tiny")
         config.update_from_flattened_dict({**TEXT_OVERRIDES, "mesh.data": 2, "mesh.fsdp": 2,
                                            "mesh.tensor": 2})
-        loop.train(config, tmp_path / "single")
+        trainer.train(config, tmp_path / "single")
         outputs = multi.result()
     for output, code in outputs:
         assert code == 0, output[-3000:]

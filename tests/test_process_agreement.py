@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from posjax.training import loop, processes
+from posjax import config_defaults
+from posjax.training import processes
 
 
 
@@ -55,9 +56,9 @@ def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
         config["optimizer.learning_rate"] = 0.002
         config.pop("optimizer.b2")
     _second_process(monkeypatch, change)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     with pytest.raises(ValueError) as raised:
-        loop.check_same_config(config)
+        processes.check_same_config(config)
     message = str(raised.value)
     assert message.startswith("the processes were started with different configs:\n")
     assert f"process 1: optimizer.learning_rate=0.002 (process 0: " \
@@ -69,9 +70,9 @@ def test_a_process_with_another_config_is_one_error_naming_the_key(monkeypatch):
 
 def test_the_distributed_section_may_differ_between_processes(monkeypatch):
     asked = _second_process(monkeypatch, None)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.distributed.process_id = 3
-    loop.check_same_config(config)
+    processes.check_same_config(config)
     assert not any(k.startswith("distributed") for k in asked[0])
     assert asked[0]["optimizer.learning_rate"] == config.optimizer.learning_rate
 
@@ -85,10 +86,10 @@ def test_a_host_with_another_vocabulary_is_one_error_naming_the_ids(monkeypatch)
     def change(identity):
         identity["data.tokenizer"] = _vocabulary(["a", "B", "c", "D"])
     _second_process(monkeypatch, change)
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.data.tokenizer = "/data/vocab.txt"
     with pytest.raises(ValueError) as raised:
-        loop.check_same_data_identity(config,
+        processes.check_same_data_identity(config,
                                       {"data.tokenizer": _vocabulary(["a", "b", "c", "d"])})
     assert str(raised.value) == (
         "the processes read different data:\n  process 1: data.tokenizer='/data/vocab.txt' "
@@ -104,14 +105,14 @@ def test_a_host_with_another_copy_of_a_split_is_one_error(monkeypatch):
              "test": types.SimpleNamespace(num_examples=359)}
     with pytest.raises(ValueError, match=r"process 1: its data.test_split has 358 examples "
                                          r"\(process 0: 359\)\nGive every host the same copy"):
-        loop.check_same_splits(pipes)
+        processes.check_same_splits(pipes)
 
 
 def test_processes_that_agree_pass(monkeypatch):
     asked = _second_process(monkeypatch, None)
-    loop.check_same_config(loop.default_config())
-    loop.check_same_data_identity(loop.default_config(), {"data.tokenizer": _vocabulary(["a"])})
-    loop.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
+    processes.check_same_config(config_defaults.default_config())
+    processes.check_same_data_identity(config_defaults.default_config(), {"data.tokenizer": _vocabulary(["a"])})
+    processes.check_same_splits({"test": types.SimpleNamespace(num_examples=3)})
     assert asked[1:] == [{"data.tokenizer": _vocabulary(["a"])}, {"test": 3}]
 
 
@@ -183,28 +184,28 @@ def test_a_host_with_other_init_from_weights_is_one_error(tmp_path, monkeypatch)
     """The fingerprint of a converter-style folder: equal for a copy, different for another
     checkpoint (other file names or sizes) or none; a difference between processes is one
     error naming init_from."""
-    from posjax.training import state as state_lib
+    from posjax.training import init_from as init_from_lib
     source = tmp_path / "ckpt"
     (source / "params" / "d").mkdir(parents=True)
     (source / "params" / "d" / "a1b2").write_bytes(b"x" * 100)
     (source / "params" / "_METADATA").write_text("{}")
     (source / "model_config.json").write_text('{"hidden_size": 16}')
-    fingerprint = state_lib.init_from_fingerprint(source)
+    fingerprint = init_from_lib.init_from_fingerprint(source)
     shutil.copytree(source, tmp_path / "copy")
-    assert state_lib.init_from_fingerprint(tmp_path / "copy") == fingerprint
+    assert init_from_lib.init_from_fingerprint(tmp_path / "copy") == fingerprint
     (tmp_path / "copy" / "model_config.json").write_text('{"hidden_size": 32}')
-    assert state_lib.init_from_fingerprint(tmp_path / "copy") != fingerprint
+    assert init_from_lib.init_from_fingerprint(tmp_path / "copy") != fingerprint
     shutil.copytree(source, tmp_path / "other")
     data = tmp_path / "other" / "params" / "d"
     (data / "a1b2").rename(data / "c3")   # another save: its files are named afresh
-    assert state_lib.init_from_fingerprint(tmp_path / "other") != fingerprint
-    assert state_lib.init_from_fingerprint(tmp_path / "missing") is None
+    assert init_from_lib.init_from_fingerprint(tmp_path / "other") != fingerprint
+    assert init_from_lib.init_from_fingerprint(tmp_path / "missing") is None
 
     def change(value):
         value["init_from"] = None   # process 1 has no checkpoint under that path
     _second_process(monkeypatch, change)
     with pytest.raises(ValueError) as raised:
-        loop.check_same_init_from(str(source))
+        processes.check_same_init_from(str(source))
     assert str(raised.value).startswith(
         f"the processes read different data:\n  process 1: init_from={str(source)!r} holds "
         "other weights than process 0's (none there)\nGive every host the same copy")

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from posjax.training import loop
+from posjax.training import trainer
 
 import test_training_synthetic as syn
 
@@ -25,7 +25,7 @@ def _traced_step_calls(trace, step: str = "train_step") -> int:
 
 def test_the_chosen_steps_are_traced_into_the_tensorboard_folder(tmp_path, capsys):
     config = syn.tiny_config(**{"profile.first_step": 5, "profile.num_steps": 2})
-    loop.train(config, tmp_path)   # steps 5 and 6, not the final evaluation after them
+    trainer.train(config, tmp_path)   # steps 5 and 6, not the final evaluation after them
     [trace] = _traces(tmp_path)
     assert _traced_step_calls(trace) == 2 and _traced_step_calls(trace, "eval_step") == 0
     out = capsys.readouterr().out
@@ -36,18 +36,18 @@ def test_the_chosen_steps_are_traced_into_the_tensorboard_folder(tmp_path, capsy
 
 def test_a_run_stopped_within_the_traced_steps_writes_what_it_traced(tmp_path, capsys):
     config = syn.tiny_config(**{"profile.first_step": 2, "profile.num_steps": 4})
-    assert loop.train(config, tmp_path, stop_after=3).preempted
+    assert trainer.train(config, tmp_path, stop_after=3).preempted
     [trace] = _traces(tmp_path)
     assert _traced_step_calls(trace) == 2
     assert "profile of steps 2-3 written to " in capsys.readouterr().out
 
 
 def test_a_resumed_run_past_the_first_traced_step_says_it_traces_nothing(tmp_path, caplog):
-    loop.train(syn.tiny_config(), tmp_path, stop_after=4)   # checkpoints at 2 and 4
+    trainer.train(syn.tiny_config(), tmp_path, stop_after=4)   # checkpoints at 2 and 4
     assert not (tmp_path / "tensorboard" / "plugins").exists()   # off by default
     config = syn.tiny_config(**{"profile.first_step": 3, "profile.num_steps": 1})
     with caplog.at_level(logging.WARNING):
-        loop.train(config, tmp_path)   # profile may change on resume: an operational key
+        trainer.train(config, tmp_path)   # profile may change on resume: an operational key
     assert "profile: steps 3-3 are not traced, this run starts after step 4" in caplog.text
     assert _traces(tmp_path) == []
 
@@ -57,7 +57,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_training_goes_on(tmp_pa
     (tmp_path / "tensorboard" / "plugins").write_text("a file where the profile would go")
     config = syn.tiny_config(**{"profile.first_step": 2, "profile.num_steps": 1})
     with caplog.at_level(logging.WARNING):
-        result = loop.train(config, tmp_path)
+        result = trainer.train(config, tmp_path)
     assert result.step == config.num_steps and not result.preempted
     assert f"profile: the trace of steps 2-2 could not be written in {tmp_path / 'tensorboard'}" \
         in caplog.text
@@ -74,7 +74,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_training_goes_on(tmp_pa
 def test_a_profile_outside_the_run_is_one_error_before_anything_is_written(
         tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
-        loop.train(syn.tiny_config(**overrides), tmp_path / "w")
+        trainer.train(syn.tiny_config(**overrides), tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -82,4 +82,4 @@ def test_a_misspelt_profile_key_is_refused(tmp_path):
     config = syn.tiny_config()
     config.profile.num_step = 3
     with pytest.raises(ValueError, match=r"unknown config key\(s\) 'profile.num_step'"):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")

@@ -19,7 +19,8 @@ from posjax import TextConfig, TextForMaskedLM
 from posjax.convert import Pretrained, export_hf, load_pretrained, save_checkpoint
 from posjax.models.layout import stack_layers, to_layout, unstack_layers
 from posjax.plots import attention_maps
-from posjax.training import state as state_lib
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 
 CFG = TextConfig(position_scheme="deberta_v2", vocab_size=40, hidden_size=32, num_heads=4,
                  num_layers=3, mlp_dim=64, max_position_embeddings=24, position_buckets=8,
@@ -137,9 +138,9 @@ def test_init_from_loads_across_layouts(unrolled, tmp_path, saved_scanned):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shardings = jax.tree.map(lambda _: replicated, target)
-    state_lib.check_init_from(folder, target)   # accepted from metadata, either layout
-    loaded, model_cfg = state_lib.read_pretrained(folder, target, shardings)
-    merged, notes = state_lib.merge_pretrained(target, loaded, shardings, model_cfg)
+    init_from_checks.check_init_from(folder, target)   # accepted from metadata, either layout
+    loaded, model_cfg = init_from_lib.read_pretrained(folder, target, shardings)
+    merged, notes = init_from_lib.merge_pretrained(target, loaded, shardings, model_cfg)
     assert notes == []   # every tensor found its place
     expected = to_layout(unrolled, target_cfg.scan_layers)
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(expected)):

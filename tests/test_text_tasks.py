@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 
 from posjax.training import checkpoint as ckpt_lib
-from posjax.training import loop
+from posjax.training import evaluator
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
-from posjax.training.text_recipes import glue_config, mlm_config
+from configs.text_recipes import glue_config, mlm_config
 
 TINY = dict(hidden_size=32, num_heads=2, num_layers=2, mlp_dim=64, dropout_rate=0.0,
             attention_dropout_rate=0.0)
@@ -40,7 +44,7 @@ def mlm_run(shared_data, tmp_path_factory):
     """A 4-step TUPE-R MLM run (checkpoints at 2 and 4): (config, workdir, result)."""
     config = tiny_mlm(shared_data, "tupe_r")
     workdir = tmp_path_factory.mktemp("mlm") / "full"
-    return config, workdir, loop.train(config, workdir)
+    return config, workdir, trainer.train(config, workdir)
 
 
 def test_mlm_trains_and_resumes_exactly(mlm_run, tmp_path):
@@ -48,9 +52,9 @@ def test_mlm_trains_and_resumes_exactly(mlm_run, tmp_path):
     never stopped; the MLM eval reports loss, accuracy and perplexity = exp(loss)."""
     config, workdir, full = mlm_run
     assert not full.preempted
-    stopped = loop.train(config, tmp_path / "resumed", stop_after=2)
+    stopped = trainer.train(config, tmp_path / "resumed", stop_after=2)
     assert stopped.preempted and stopped.step == 2
-    resumed = loop.train(config, tmp_path / "resumed")
+    resumed = trainer.train(config, tmp_path / "resumed")
     assert resumed.eval == pytest.approx(full.eval, rel=1e-5)
     ev = full.eval
     assert ev["perplexity"] == pytest.approx(np.exp(ev["loss"]), rel=1e-6)
@@ -71,8 +75,8 @@ def test_a_vocabulary_rewritten_in_place_is_refused_on_resume_and_eval(shared_da
     config = tiny_mlm(shared_data, "bert_a")
     config.data.tokenizer = str(vocab)
     workdir = tmp_path / "run"
-    assert loop.train(config, workdir, stop_after=2).preempted
-    recorded = json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text())
+    assert trainer.train(config, workdir, stop_after=2).preempted
+    recorded = json.loads((workdir / workdir_lib.DATA_IDENTITY_FILE).read_text())
     vocabulary = recorded["data.tokenizer"]
     assert list(recorded) == ["data.tokenizer"] and len(vocabulary["sha256"]) == 64
     assert vocabulary["size"] == 30522 and len(vocabulary["blocks"]) == 30   # 1024 ids each
@@ -81,32 +85,32 @@ def test_a_vocabulary_rewritten_in_place_is_refused_on_resume_and_eval(shared_da
     vocab.write_text("".join(lines))
     refused = (re.escape(f"data.tokenizer='{vocab}' holds other content than this run was "
                          "trained with (ids 1024–2047 differ from what the run recorded in ")
-               + re.escape(str(workdir / loop.DATA_IDENTITY_FILE)) + r"\): give the file")
+               + re.escape(str(workdir / workdir_lib.DATA_IDENTITY_FILE)) + r"\): give the file")
     with pytest.raises(ValueError, match=refused):
-        loop.train(config, workdir)
+        trainer.train(config, workdir)
     with pytest.raises(ValueError, match=refused):
-        loop.evaluate(config, workdir)
+        evaluator.evaluate(config, workdir)
     copy = tmp_path / "copy" / "vocab.txt"
     copy.parent.mkdir()
     copy.write_text(original)
     elsewhere = config.copy_and_resolve_references()
     elsewhere.data.tokenizer = str(copy)
-    assert "loss" in loop.evaluate(elsewhere, workdir)
+    assert "loss" in evaluator.evaluate(elsewhere, workdir)
     vocab.write_text(original)
-    assert loop.train(config, workdir).step == config.num_steps
-    assert json.loads((workdir / loop.DATA_IDENTITY_FILE).read_text()) == recorded
+    assert trainer.train(config, workdir).step == config.num_steps
+    assert json.loads((workdir / workdir_lib.DATA_IDENTITY_FILE).read_text()) == recorded
     # A run from before the file existed is not checked, and evaluating never writes it.
-    (workdir / loop.DATA_IDENTITY_FILE).unlink()
+    (workdir / workdir_lib.DATA_IDENTITY_FILE).unlink()
     vocab.write_text("".join(lines))
-    assert "loss" in loop.evaluate(config, workdir)
-    assert not (workdir / loop.DATA_IDENTITY_FILE).exists()
+    assert "loss" in evaluator.evaluate(config, workdir)
+    assert not (workdir / workdir_lib.DATA_IDENTITY_FILE).exists()
     # A fresh start replaces what a run that never checkpointed left behind.
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    (fresh / loop.DATA_IDENTITY_FILE).write_text(json.dumps(recorded))
-    run = loop.prepare(config, fresh, training=True)
-    loop.write_data_identity(fresh, run.data_identity)
-    assert json.loads((fresh / loop.DATA_IDENTITY_FILE).read_text()) == run.data_identity
+    (fresh / workdir_lib.DATA_IDENTITY_FILE).write_text(json.dumps(recorded))
+    run = run_setup.prepare(config, fresh, training=True)
+    workdir_lib.write_data_identity(fresh, run.data_identity)
+    assert json.loads((fresh / workdir_lib.DATA_IDENTITY_FILE).read_text()) == run.data_identity
     assert run.data_identity["data.tokenizer"]["sha256"] != vocabulary["sha256"]
 
 
@@ -146,11 +150,11 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
     config.checkpoint.update(every_steps=4, async_save=False)
     config.optimizer.warmup_steps = 1
 
-    run = loop.prepare(config, tmp_path / "probe", training=True)
+    run = run_setup.prepare(config, tmp_path / "probe", training=True)
     fresh = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
                                  config.seed)
-    loaded = state_lib.load_init_from(fresh, config.init_from, run.shardings)
-    pretrained = loop.prepare(mlm, mlm_dir, training=False)
+    loaded = init_from_lib.load_init_from(fresh, config.init_from, run.shardings)
+    pretrained = run_setup.prepare(mlm, mlm_dir, training=False)
     ckpt = ckpt_lib.Checkpointer(mlm_dir, 2, 3, create=False)
     mlm_state = ckpt.restore(ckpt.latest_step(), pretrained.abstract)
     ckpt.close()
@@ -158,11 +162,11 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
                         loaded.params["encoder"], mlm_state.params["encoder"])
     assert jax.tree.leaves(same) and all(jax.tree.leaves(same))
 
-    result = loop.train(config, tmp_path / "glue")
+    result = trainer.train(config, tmp_path / "glue")
     assert set(result.eval) == {"num_examples", "accuracy", "score", "loss"}
     assert result.eval["num_examples"] == 100
     config.data.test_split = "test[:37]"
-    out = loop.evaluate(config, tmp_path / "glue")
+    out = evaluator.evaluate(config, tmp_path / "glue")
     assert out["num_examples"] == 37 and "accuracy" not in out
     rows = (tmp_path / "glue" / "predictions" / f"step_{out['step']}" / "SST-2.tsv"
             ).read_text().splitlines()
@@ -178,7 +182,7 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
     (tmp_path / "edited.txt").write_text("".join(edited))
     config.data.tokenizer = str(tmp_path / "edited.txt")
     with caplog.at_level(logging.WARNING):
-        loop.prepare(config, tmp_path / "glue_edited_vocabulary", training=True)
+        run_setup.prepare(config, tmp_path / "glue_edited_vocabulary", training=True)
     assert (f"data.tokenizer='{tmp_path / 'edited.txt'}' differs from the run "
             f"init_from='{mlm_dir}' was trained with (data.tokenizer='{mlm.data.tokenizer}' "
             "there) in ids 2048–3071: those embedding rows start from another token's"
@@ -190,7 +194,7 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
             f"data.tokenizer='{tmp_path / 'other.txt'}' is another vocabulary than the run "
             f"init_from='{mlm_dir}' was trained with (data.tokenizer='{mlm.data.tokenizer}' "
             "there; 100% of the ids stand for other tokens)")):
-        loop.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
+        run_setup.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
 
 
 def test_glue_from_converted_encoder(tmp_path):
@@ -211,9 +215,9 @@ def test_glue_from_converted_encoder(tmp_path):
     encoder = jax.tree.map(np.asarray, encoder)
     save_checkpoint(Pretrained(cfg, encoder, "text", "encoder"), tmp_path / "imported")
     config.init_from = str(tmp_path / "imported")
-    run = loop.prepare(config, tmp_path / "glue", training=True)
+    run = run_setup.prepare(config, tmp_path / "glue", training=True)
     fresh = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    loaded = state_lib.load_init_from(fresh, config.init_from, run.shardings)
+    loaded = init_from_lib.load_init_from(fresh, config.init_from, run.shardings)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)),
                         loaded.params["encoder"], encoder)
     assert jax.tree.leaves(same) and all(jax.tree.leaves(same))

@@ -161,7 +161,11 @@ def test_sigterm_saves_resume_finishes_and_eval_reproduces(tmp_path):
 
 SIGTERM_DURING_SETUP = """
 import os, signal, sys, time
-from posjax.training import loop, state as state_lib
+from posjax import cli
+from posjax.training import evaluator
+from posjax.training import run_setup
+from posjax.training import state as state_lib
+from posjax.training import trainer
 sys.path.insert(0, "configs")
 import vit_digits
 
@@ -176,24 +180,24 @@ def sigterm_after(module, name):   # the signal arrives during this step of the 
     return lambda: setattr(module, name, original)
 
 workdir, where = sys.argv[1], sys.argv[2]
-undo = sigterm_after({"prepare": loop, "init_state": state_lib}[where], where)
+undo = sigterm_after({"prepare": run_setup, "init_state": state_lib}[where], where)
 config = vit_digits.get_config("tiny")
 config.num_steps = 3
-stopped = loop.train(config, workdir)
+stopped = trainer.train(config, workdir)
 saved = os.listdir(workdir + "/checkpoints") if os.path.exists(workdir) else "no workdir"
 print("first:", stopped.step, stopped.preempted, saved, stopped.stop_line(), flush=True)
 try:
-    loop.evaluate(config, workdir)
+    evaluator.evaluate(config, workdir)
 except ValueError as e:
     print("eval:", e, flush=True)
 undo()
-stopped = loop.train(config, workdir, stop_after=2)
+stopped = trainer.train(config, workdir, stop_after=2)
 print("second:", stopped.step, stopped.preempted, stopped.stop_line(), flush=True)
-undo = sigterm_after(loop, "prepare")   # a resume stopped in its set-up
-stopped = loop.train(config, workdir)
+undo = sigterm_after(run_setup, "prepare")   # a resume stopped in its set-up
+stopped = trainer.train(config, workdir)
 print("third:", stopped.step, stopped.preempted, stopped.stop_line(), flush=True)
 undo()
-finished = loop.train(config, workdir)
+finished = trainer.train(config, workdir)
 print("fourth:", finished.step, finished.preempted, finished.stop_line(), flush=True)
 """
 
@@ -224,8 +228,11 @@ def test_sigterm_during_setup_stops_cleanly_and_the_rerun_trains(tmp_path, where
 
 SIGTERM_AFTER_THE_RUN = """
 import os, signal, time
-from posjax.training import loop
-print(loop.run_command(lambda: "finished"), flush=True)
+from posjax import cli
+from posjax.training import evaluator
+from posjax.training import run_setup
+from posjax.training import trainer
+print(cli.run_command(lambda: "finished"), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)   # as a scheduler ending the job during shutdown
 time.sleep(30)                         # as a shutdown that would hang
 print("not reached", flush=True)
@@ -244,8 +251,8 @@ def test_a_sigterm_after_the_run_finished_ends_it_with_status_0():
 
 CTRL_C_WHILE_BUSY = """
 import time
-from posjax.data.common import signals_to_receiver_thread
-from posjax.training.checkpoint import StopRequest
+from posjax.io_utils import signals_to_receiver_thread
+from posjax.training.stop_request import StopRequest
 with signals_to_receiver_thread(), StopRequest() as stop:
     stop.begin_steps()   # as the training loop does before its first step
     print("ready", flush=True)

@@ -27,10 +27,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from posjax import config_defaults
 from posjax.models.config import TextConfig
 from posjax.training import checkpoint as ckpt_lib
-from posjax.training import loop
+from posjax.training import errors as errors_lib
+from posjax.training import evaluator
 from posjax.training import mesh as mesh_lib
+from posjax.training import results as results_lib
+from posjax.training import run_setup
+from posjax.training import steps as steps_lib
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training.tasks import make_task
 
@@ -41,7 +50,7 @@ def _restore(config, workdir, step, devices=None, mesh_cfg=None):
     """State at ``step`` restored onto ``mesh_cfg`` over ``devices`` (default: the config's)."""
     task = make_task(config)
     model = task.build_model()
-    run = loop.prepare(config, workdir, training=False)
+    run = run_setup.prepare(config, workdir, training=False)
     mesh = mesh_lib.build_mesh(mesh_cfg or config.mesh, devices)
     abstract, _ = state_lib.abstract_state(task, model, run.tx, mesh, config.seed)
     checkpointer = ckpt_lib.Checkpointer(workdir, 1, 0, create=False)
@@ -55,9 +64,9 @@ def runs(tmp_path_factory):
     """(config, uninterrupted workdir, stopped-and-resumed workdir, stop result)."""
     root = tmp_path_factory.mktemp("runs")
     config = syn.tiny_config()   # mesh data=-1: 8 x 1 x 1
-    loop.train(config, root / "straight")
-    stopped = loop.train(config, root / "resumed", stop_after=3)
-    loop.train(config, root / "resumed")
+    trainer.train(config, root / "straight")
+    stopped = trainer.train(config, root / "resumed", stop_after=3)
+    trainer.train(config, root / "resumed")
     return config, root / "straight", root / "resumed", stopped
 
 
@@ -78,8 +87,8 @@ def test_resumed_run_is_bit_identical(runs):
     train_a = [(r["step"], r["loss"]) for r in _records(straight) if r["split"] == "train"]
     train_b = [(r["step"], r["loss"]) for r in _records(resumed) if r["split"] == "train"]
     assert train_a == train_b and [s for s, _ in train_a] == list(range(1, 7))
-    assert loop.eval_file(straight, 6, "test").read_text() == \
-        loop.eval_file(resumed, 6, "test").read_text()
+    assert results_lib.eval_file(straight, 6, "test").read_text() == \
+        results_lib.eval_file(resumed, 6, "test").read_text()
     assert (resumed / "loss_curve.png").stat().st_size > 0
 
 
@@ -89,7 +98,7 @@ def test_resumed_iterator_yields_the_next_batch(runs):
     fresh = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
     expected = [next(fresh) for _ in range(4)][-1]   # the 4th batch: first after step 3
     iterator = task.make_pipeline("train", config.batch_size, config.seed, True, 0, 1).iterator
-    run = loop.prepare(config, resumed, training=False)
+    run = run_setup.prepare(config, resumed, training=False)
     checkpointer = ckpt_lib.Checkpointer(resumed, 1, 0, create=False)
     checkpointer.restore(3, run.abstract, iterator)
     checkpointer.close()
@@ -111,42 +120,42 @@ def test_restore_onto_another_mesh_and_device_count(runs):
 
 def test_eval_reproduces_the_training_eval(runs):
     config, straight, _, _ = runs
-    written_by_training = loop.eval_file(straight, 6, "test").read_text()
-    result = loop.evaluate(config, straight)
-    written = json.loads(loop.eval_file(straight, 6, "test").read_text())
+    written_by_training = results_lib.eval_file(straight, 6, "test").read_text()
+    result = evaluator.evaluate(config, straight)
+    written = json.loads(results_lib.eval_file(straight, 6, "test").read_text())
     assert result == written and written["num_examples"] == 40 and written["split"] == "test"
     assert json.loads(written_by_training) == written
     # Another split gets its own file; the test split's stays as it was.
     other = config.copy_and_resolve_references()
     other.data = {"test_split": "train[:50%]"}
-    assert loop.evaluate(other, straight)["split"] == "train[:50%]"
-    assert loop.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
-    assert loop.eval_file(straight, 6, "train[:50%]").exists()
-    assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
+    assert evaluator.evaluate(other, straight)["split"] == "train[:50%]"
+    assert results_lib.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
+    assert results_lib.eval_file(straight, 6, "train[:50%]").exists()
+    assert results_lib.eval_file(straight, 6, "test").read_text() == written_by_training
     # Other data than the run's (a data_dir it did not read) is written beside, not over, the
     # run's results, and the file says which data it is.
     moved = config.copy_and_resolve_references()
     moved.data = {"data_dir": "/elsewhere"}
-    loop.evaluate(moved, straight)
-    tag = loop.eval_tag(loop.read_saved_config(straight), moved)
+    evaluator.evaluate(moved, straight)
+    tag = results_lib.eval_tag(config_defaults.read_saved_config(straight), moved)
     assert re.fullmatch(r"_data-[0-9a-f]{8}", tag)
-    assert json.loads(loop.eval_file(straight, 6, "test", tag).read_text())["data"] == \
+    assert json.loads(results_lib.eval_file(straight, 6, "test", tag).read_text())["data"] == \
         {"data.data_dir": "/elsewhere"}
-    assert loop.eval_file(straight, 6, "test").read_text() == written_by_training
+    assert results_lib.eval_file(straight, 6, "test").read_text() == written_by_training
     with pytest.raises(ValueError, match="no such checkpoint"):
-        loop.evaluate(config, straight, step=5)
+        evaluator.evaluate(config, straight, step=5)
 
 
 def test_eval_prints_its_progress(runs, monkeypatch, capsys):
     """A line per EVAL_PROGRESS_S after the first batch (its compile): batches done of the
     pass, examples/s, ETA. 40 examples in batches of 16: 3 batches."""
     config, straight, _, _ = runs
-    monkeypatch.setattr(loop, "EVAL_PROGRESS_S", 0.0)
-    loop.evaluate(config, straight)
+    monkeypatch.setattr(evaluator, "EVAL_PROGRESS_S", 0.0)
+    evaluator.evaluate(config, straight)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("eval batch")]
     assert [ln.split()[2] for ln in lines] == ["2/3", "3/3"]
     assert re.fullmatch(r"eval batch 3/3  examples_per_s [0-9.e+]+  ETA 0:00:00", lines[-1])
-    progress = loop.EvalProgress(None)
+    progress = evaluator.EvalProgress(None)
     assert progress.batch_done(16) is None and "2/?" in progress.batch_done(16)
 
 
@@ -157,9 +166,9 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     anything is written; a run's workdir without a checkpoint is still refused."""
     config, straight, _, _ = runs
     pretrained = syn.tiny_config(init_from=str(straight))
-    result = loop.evaluate(pretrained, tmp_path / "eval")
-    assert result == {**json.loads(loop.eval_file(straight, 6, "test").read_text()), "step": 0}
-    assert json.loads(loop.eval_file(tmp_path / "eval", 0, "test").read_text()) == result
+    result = evaluator.evaluate(pretrained, tmp_path / "eval")
+    assert result == {**json.loads(results_lib.eval_file(straight, 6, "test").read_text()), "step": 0}
+    assert json.loads(results_lib.eval_file(tmp_path / "eval", 0, "test").read_text()) == result
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["checkpoints"]
     refused = {
         "a pre_logits layer": ({"model.representation_size": 8}, 0, re.escape(
@@ -175,7 +184,7 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     }
     for name, (overrides, step, match) in refused.items():
         with pytest.raises(ValueError, match=match):
-            loop.evaluate(syn.tiny_config(init_from=str(straight), **overrides),
+            evaluator.evaluate(syn.tiny_config(init_from=str(straight), **overrides),
                           tmp_path / name, step=step or None)
         assert not (tmp_path / name).exists(), name
     _, export = _export(syn.tiny_config(**{"model.representation_size": 8}), tmp_path)
@@ -184,24 +193,24 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
             "(saved (8, 4), here (16, 4)); "
             "2 parameter(s) of the checkpoint would be left out: ['pre_logits']['bias'], "
             "['pre_logits']['kernel']. Give")):
-        loop.evaluate(syn.tiny_config(init_from=str(export)), tmp_path / "left_over")
+        evaluator.evaluate(syn.tiny_config(init_from=str(export)), tmp_path / "left_over")
     assert not (tmp_path / "left_over").exists()
     run_without_checkpoint = tmp_path / "run"
     (run_without_checkpoint / "checkpoints").mkdir(parents=True)
-    shutil.copy(straight / loop.CONFIG_FILE, run_without_checkpoint / loop.CONFIG_FILE)
+    shutil.copy(straight / config_defaults.CONFIG_FILE, run_without_checkpoint / config_defaults.CONFIG_FILE)
     with pytest.raises(ValueError, match="holds no saved step yet: train there first"):
-        loop.evaluate(pretrained, run_without_checkpoint)
+        evaluator.evaluate(pretrained, run_without_checkpoint)
 
 
 def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
     config, straight, _, _ = runs
-    written = loop.eval_file(straight, 6, "test").read_text()
-    result = loop.train(config, straight)
+    written = results_lib.eval_file(straight, 6, "test").read_text()
+    result = trainer.train(config, straight)
     assert result.step == 6 and not result.preempted
     assert result.eval == {k: v for k, v in json.loads(written).items()
                            if k not in ("step", "split")}
     assert [r["step"] for r in _records(straight) if r["split"] == "eval"] == [6]
-    assert loop.eval_file(straight, 6, "test").read_text() == written
+    assert results_lib.eval_file(straight, 6, "test").read_text() == written
 
 
 def test_a_final_eval_cut_short_by_a_crash_is_logged_once_by_the_rerun(runs, tmp_path):
@@ -209,13 +218,13 @@ def test_a_final_eval_cut_short_by_a_crash_is_logged_once_by_the_rerun(runs, tmp
     rerun leaves exactly one eval record of the last step (it logged a second one)."""
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    loop.eval_file(workdir, 6, "test").unlink()          # record logged, JSON not written
-    loop.train(config, workdir)
+    results_lib.eval_file(workdir, 6, "test").unlink()          # record logged, JSON not written
+    trainer.train(config, workdir)
     assert [r["step"] for r in _records(workdir) if r["split"] == "eval"] == [6]
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     (workdir / "metrics.jsonl").write_text(            # JSON written, record not logged
         "".join(ln + "\n" for ln in lines if json.loads(ln)["split"] != "eval"))
-    loop.train(config, workdir)
+    trainer.train(config, workdir)
     assert [r["step"] for r in _records(workdir) if r["split"] == "eval"] == [6]
 
 
@@ -227,10 +236,10 @@ def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, t
     partial = workdir / "checkpoints" / "7.orbax-checkpoint-tmp"
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "data").write_bytes(b"cut short")
-    loop.evaluate(config, workdir)
+    evaluator.evaluate(config, workdir)
     assert partial.exists()
-    loop.train(config, workdir)
-    assert not partial.exists() and loop.saved_steps(workdir)[-1] == 6
+    trainer.train(config, workdir)
+    assert not partial.exists() and workdir_lib.saved_steps(workdir)[-1] == 6
 
 
 def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, tmp_path,
@@ -248,13 +257,13 @@ def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, 
         return original(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ckpt_lib.Checkpointer, "restore", rotated_out_first)
-    assert loop.evaluate(config, workdir)["step"] == 4
+    assert evaluator.evaluate(config, workdir)["step"] == 4
     shutil.copytree(straight / "checkpoints" / "6", workdir / "checkpoints" / "6")
     with pytest.raises(ValueError, match=rf"^step=6: {workdir / 'checkpoints' / '6'} was "
                                          r"removed while it was read \(a run training there "
                                          r"keeps only the latest checkpoint.keep steps\); "
                                          r"evaluate one of \[2, 4\] with --step"):
-        loop.evaluate(config, workdir, step=6)
+        evaluator.evaluate(config, workdir, step=6)
 
     # Caught mid-removal (Orbax deletes in place) once the run saved step 8 with keep = 1.
     def being_removed_first(self, step, *args, **kwargs):
@@ -267,7 +276,7 @@ def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, 
     shutil.copytree(straight / "checkpoints" / "6", workdir / "checkpoints" / "6")
     one_kept = config.copy_and_resolve_references()
     one_kept.checkpoint.keep = 1
-    assert loop.evaluate(one_kept, workdir)["step"] == 8
+    assert evaluator.evaluate(one_kept, workdir)["step"] == 8
 
 
 def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, monkeypatch):
@@ -282,7 +291,7 @@ def test_eval_closes_the_checkpointer_when_the_restore_fails(runs, tmp_path, mon
                         lambda self: (closed.append(1), close(self)))
     other = syn.tiny_config(**{"optimizer.name": "sgd"})
     with pytest.raises(ValueError, match="tree structures do not match"):
-        loop.evaluate(other, workdir)
+        evaluator.evaluate(other, workdir)
     assert closed == [1]
 
 
@@ -302,11 +311,11 @@ def test_init_from_converter_checkpoint(tmp_path, caplog):
     (export / "model_config.json").write_text(json.dumps(source.model.to_dict()))
 
     config = syn.tiny_config(**{"init_from": str(export)})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
     with caplog.at_level(logging.WARNING):
-        loaded = state_lib.load_init_from(state, str(export), run.shardings,
+        loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                           run.task.patch_grid).params
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings     # one summary, not one line per parameter
@@ -338,7 +347,7 @@ def test_init_from_that_fits_no_encoder_parameter_is_refused_before_anything_is_
         ckptr.save(export / "params",
                    {"params": jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))})
     (export / "model_config.json").write_text(json.dumps({"config": source.model.to_dict()}))
-    for run in (loop.train, loop.evaluate):   # eval.py's whole check names the width too
+    for run in (trainer.train, evaluator.evaluate):   # eval.py's whole check names the width too
         with pytest.raises(ValueError, match=r"init_from='.*export': none of its 24 parameters "
                                              r"fits this model's encoder: give config.model"):
             run(syn.tiny_config(init_from=str(export)), tmp_path / "run")
@@ -357,7 +366,7 @@ def test_init_from_published_weights_says_to_convert_them_first(tmp_path):
                 f"it looks like published weights (a Hugging Face folder or an .npz); convert "
                 f"them first, python -m posjax.convert --from {source} --to CKPT, then give "
                 "init_from=CKPT")):
-            loop.train(syn.tiny_config(init_from=str(source)), tmp_path / "run")
+            trainer.train(syn.tiny_config(init_from=str(source)), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 
@@ -371,7 +380,7 @@ def test_init_from_whose_model_computes_another_function_is_refused_before_anyth
                                            "model.layer_norm_eps": 1e-12}), tmp_path)
     config = syn.tiny_config(**{"init_from": str(export), "model.hidden_act": "gelu_tanh"})
     with pytest.raises(ValueError) as error:
-        loop.train(config, tmp_path / "run")
+        trainer.train(config, tmp_path / "run")
     assert str(error.value) == (
         f"init_from={str(export)!r}: the pretrained model (model_config.json there) has "
         "hidden_act='gelu', layer_norm_eps=1e-12 where this run's config.model has "
@@ -381,7 +390,7 @@ def test_init_from_whose_model_computes_another_function_is_refused_before_anyth
     assert not (tmp_path / "run").exists()
     fixed = syn.tiny_config(**{"init_from": str(export), "model.hidden_act": "gelu",
                                "model.layer_norm_eps": 1e-12, "model.dropout_rate": 0.0})
-    loop.prepare(fixed, tmp_path / "run", training=True)
+    run_setup.prepare(fixed, tmp_path / "run", training=True)
 
 
 def test_function_mismatches_reads_the_settings_of_the_scheme():
@@ -393,32 +402,32 @@ def test_function_mismatches_reads_the_settings_of_the_scheme():
                  pos_att_type="c2p|p2c")
     ours = TextConfig(position_scheme="deberta_v2", max_relative_positions=8, scan_layers=True,
                       pos_att_type=("c2p", "p2c"))
-    assert state_lib.function_mismatches(saved, ours) == [
+    assert init_from_checks.function_mismatches(saved, ours) == [
         ("max_relative_positions", 32, 8), ("position_buckets", 8, 0)]
     # Another scheme: its settings are listed too, so that one error gives every override.
-    assert state_lib.function_mismatches({**saved, "position_scheme": "tupe_r"}, ours) == [
+    assert init_from_checks.function_mismatches({**saved, "position_scheme": "tupe_r"}, ours) == [
         ("position_scheme", "tupe_r", "deberta_v2"), ("max_relative_positions", 32, 8),
         ("position_buckets", 8, 0), ("relative_max_distance", 64, 128)]
-    assert state_lib.function_mismatches({"image_size": 8}, ours) == []   # not a text config
+    assert init_from_checks.function_mismatches({"image_size": 8}, ours) == []   # not a text config
     # No model_config.json, or one with the grid alone: only what it says is compared.
-    assert state_lib.function_mismatches({}, ours) == []
-    assert state_lib.function_mismatches({"position_buckets": 4}, ours) == [
+    assert init_from_checks.function_mismatches({}, ours) == []
+    assert init_from_checks.function_mismatches({"position_buckets": 4}, ours) == [
         ("position_buckets", 4, 0)]
     # A train.py run's config.json leaves out fields at their defaults.
-    assert state_lib.function_mismatches({"max_relative_positions": 8}, ours,
+    assert init_from_checks.function_mismatches({"max_relative_positions": 8}, ours,
                                          missing_are_defaults=True) == [
         ("position_scheme", "bert_abs", "deberta_v2")]
     # The order of pos_att_type does not matter; the pooler's activation does once it is loaded.
-    assert state_lib.function_mismatches(
+    assert init_from_checks.function_mismatches(
         {**saved, "position_buckets": 0, "max_relative_positions": 8,
          "pos_att_type": ("p2c", "c2p"), "pooler_act": "gelu"}, ours) == []
-    assert state_lib.function_mismatches(
+    assert init_from_checks.function_mismatches(
         {**saved, "position_buckets": 0, "max_relative_positions": 8, "pooler_act": "gelu"},
         ours, with_pooler=True) == [("pooler_act", "gelu", "tanh")]
     # The override the error prints for a tuple, as the shell passes it to ml_collections.
-    assert state_lib._flag(("c2p",)) == "\"('c2p',)\"" and state_lib._flag(1e-12) == "1e-12"
+    assert init_from_checks._flag(("c2p",)) == "\"('c2p',)\"" and init_from_checks._flag(1e-12) == "1e-12"
     tupe = TextConfig(position_scheme="tupe_r", relative_max_distance=64)
-    assert state_lib.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
+    assert init_from_checks.function_mismatches(saved | {"position_scheme": "tupe_r"}, tupe) == []
 
 
 @pytest.mark.parametrize("scheme", ["vit", "tupe_a"])
@@ -432,10 +441,10 @@ def test_init_from_resamples_to_a_non_square_grid(tmp_path, scheme):
 
     config = syn.tiny_config(**model, init_from=str(export))
     config.model = dict(config.model.to_dict(), image_size=(8, 16))
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     assert run.task.patch_grid == (2, 4)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
-    loaded = state_lib.load_init_from(state, str(export), run.shardings,
+    loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                       run.task.patch_grid).params
     tables = {"vit": [(("pos_embedding",), 1)],
               "tupe_a": [(("encoder", "tupe_bias", "position_embeddings"), 2)]}[scheme]
@@ -453,7 +462,7 @@ def test_a_run_started_from_init_from_says_so(tmp_path, capsys):
     _, export = _export(syn.tiny_config(), tmp_path)
     config = syn.tiny_config(**{"init_from": str(export), "num_steps": 1,
                                 "optimizer.warmup_steps": 0})
-    loop.train(config, tmp_path / "run")
+    trainer.train(config, tmp_path / "run")
     assert f"parameters initialised from {export}\n" in capsys.readouterr().out
 
 
@@ -480,10 +489,10 @@ def test_init_from_matches_the_cls_row_of_a_position_table(tmp_path, scheme, sav
     config = syn.tiny_config(**{"model.image_size": 16, "model.pooling": pooling,
                                 "model.position_scheme": scheme, "model.relative_buckets": 8,
                                 "model.relative_max_distance": 8, "init_from": str(export)})
-    run = loop.prepare(config, tmp_path / "run", training=True)
+    run = run_setup.prepare(config, tmp_path / "run", training=True)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings, 0)
     fresh = jax.tree.map(np.asarray, state.params)
-    loaded = state_lib.load_init_from(state, str(export), run.shardings,
+    loaded = init_from_lib.load_init_from(state, str(export), run.shardings,
                                       run.task.patch_grid).params
     table, axis, cls = CLS_ROW_TABLES[scheme]
     saved_rows, rows = _get(params, table), _get(loaded, table)
@@ -535,16 +544,16 @@ def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     wider = syn.tiny_config(**{"model.hidden_size": 24, "model.mlp_dim": 40})
-    (workdir / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(wider)))
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(wider)))
     pattern = (r"holds the parameters of another model than config.model builds \(other "
                r"shapes: cls \(1, 1, 16\) saved, \(1, 1, 24\) in the model, .* in all\)\): "
                r"it was saved with another config.*not damaged$")
     with pytest.raises(ValueError, match=pattern):
-        loop.evaluate(wider, workdir)
+        evaluator.evaluate(wider, workdir)
     deeper = syn.tiny_config(**{"model.num_layers": 2})
-    (workdir / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(deeper)))
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(deeper)))
     with pytest.raises(ValueError, match=r"\(not in the checkpoint: encoder/layer_1/"):
-        loop.evaluate(deeper, workdir)
+        evaluator.evaluate(deeper, workdir)
     gc.collect()
     assert unraisable == []
 
@@ -557,7 +566,7 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    steps = loop.saved_steps(workdir)
+    steps = workdir_lib.saved_steps(workdir)
     assert len(steps) >= 2
     for data in (workdir / "checkpoints" / str(steps[-1]) / "state").rglob("d/*"):
         data.write_bytes(data.read_bytes()[:10])
@@ -566,9 +575,9 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
                rf"interrupted copy\), move it out of {workdir / 'checkpoints'} to use step "
                rf"{steps[-2]} instead \(eval\.py: or --step {steps[-2]}\)")
     with pytest.raises(ValueError, match=pattern):
-        loop.train(config, workdir)
+        trainer.train(config, workdir)
     with pytest.raises(ValueError, match=pattern):
-        loop.evaluate(config, workdir)
+        evaluator.evaluate(config, workdir)
     time.sleep(1)   # reads still in flight finish
     gc.collect()    # failed tasks nobody awaited are reported when collected
     assert [r.getMessage()[:200] for r in caplog.records if r.name == "asyncio"] == []
@@ -578,13 +587,13 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
 def test_a_resume_with_another_process_count_is_refused_up_front(runs, tmp_path):
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    last = workdir / "checkpoints" / str(loop.saved_steps(workdir)[-1])
+    last = workdir / "checkpoints" / str(workdir_lib.saved_steps(workdir)[-1])
     (last / "data_iter" / "process_0-of-1.json").rename(last / "data_iter" / "process_0-of-2.json")
     (last / "data_iter" / "process_1-of-2.json").write_text("{}")
     with pytest.raises(ValueError, match=rf"checkpoint {last} holds input-iterator states for 2 "
                                          r"processes, not the current 1: resume with the same "
                                          r"process count"):
-        loop.train(config, workdir)
+        trainer.train(config, workdir)
 
 
 def _out_of_memory() -> jax.errors.JaxRuntimeError:
@@ -618,10 +627,10 @@ def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoin
     device holds and which keys make it fit (XLA's report logged in full); the checkpoint is
     kept and the run resumes from it once the step fits."""
     config = syn.tiny_config()
-    monkeypatch.setattr(loop.steps_lib, "make_train_step",
-                        _failing_at_call(loop.steps_lib.make_train_step, 3, _out_of_memory()))
+    monkeypatch.setattr(steps_lib, "make_train_step",
+                        _failing_at_call(steps_lib.make_train_step, 3, _out_of_memory()))
     with pytest.raises(ValueError) as raised:
-        loop.train(config, tmp_path)
+        trainer.train(config, tmp_path)
     message = str(raised.value)
     assert re.fullmatch(
         r"training ran out of memory \(Out of memory allocating 1125899906842624 bytes\.\)\. "
@@ -633,9 +642,9 @@ def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoin
         r"or shard the state over more devices \(mesh.fsdp, now 1; mesh.tensor, now 1\)\.",
         message), message
     assert "RESOURCE_EXHAUSTED: Out of memory allocating 1125899906842624 bytes." in caplog.text
-    assert loop.saved_steps(tmp_path) == [2]
+    assert workdir_lib.saved_steps(tmp_path) == [2]
     monkeypatch.undo()
-    result = loop.train(config, tmp_path)
+    result = trainer.train(config, tmp_path)
     assert (result.start, result.step) == (2, config.num_steps)
 
 
@@ -644,7 +653,7 @@ def test_out_of_memory_advice_follows_the_state_and_the_batch(tmp_path, monkeypa
     fills the device gets only the sharding advice; keys already at their limit (remat on, one
     example per device) are not offered."""
     config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2, "model.remat": True})
-    run = loop.prepare(config, tmp_path, training=True)
+    run = run_setup.prepare(config, tmp_path, training=True)
     sizes = {"data": 4, "fsdp": 2, "tensor": 1}
 
     def expected_bytes(tree) -> int:
@@ -657,54 +666,54 @@ def test_out_of_memory_advice_follows_the_state_and_the_batch(tmp_path, monkeypa
         return total
 
     state, params = expected_bytes(run.abstract), expected_bytes(run.abstract.params)
-    assert loop.bytes_per_device(run.abstract) == state
-    assert state < loop.bytes_per_device(jax.tree.map(
+    assert errors_lib.bytes_per_device(run.abstract) == state
+    assert state < errors_lib.bytes_per_device(jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.abstract))   # fsdp splits some
-    monkeypatch.setattr(loop, "device_memory_limit", lambda: state + params)
-    message = loop.out_of_memory_message(run, "Out of memory", False, True)
-    size = loop.byte_size(state + params)
-    assert f"takes {loop.byte_size(state)} of the device's {size}" in message
+    monkeypatch.setattr(errors_lib, "device_memory_limit", lambda: state + params)
+    message = errors_lib.out_of_memory_message(run, "Out of memory", False, True)
+    size = errors_lib.byte_size(state + params)
+    assert f"takes {errors_lib.byte_size(state)} of the device's {size}" in message
     assert message.endswith(f"To fit it: with the gradients it (nearly) fills each device "
                             f"({size}) whatever the batch: shard the state over more devices "
                             "(mesh.fsdp, now 2; mesh.tensor, now 1), or train a smaller model.")
-    monkeypatch.setattr(loop, "device_memory_limit", lambda: 100 * state)
-    message = loop.out_of_memory_message(run, "Out of memory", False, True)
+    monkeypatch.setattr(errors_lib, "device_memory_limit", lambda: 100 * state)
+    message = errors_lib.out_of_memory_message(run, "Out of memory", False, True)
     assert message.endswith("(2 examples per device). To fit it: lower batch_size (now 16) or "
                             "raise microbatches (now 1: each step then runs in that many passes "
                             "over parts of the batch, with the same gradients) or shard the "
                             "state over more devices (mesh.fsdp, now 2; mesh.tensor, now 1).")
     run.config.microbatches = 2
-    message = loop.out_of_memory_message(run, "Out of memory", False, True)
+    message = errors_lib.out_of_memory_message(run, "Out of memory", False, True)
     assert message.endswith("(1 example per device). To fit it: shard the state over more "
                             "devices (mesh.fsdp, now 2; mesh.tensor, now 1).")
-    message = loop.out_of_memory_message(run, "Out of memory", True, False)
-    assert f"Per device the parameters take {loop.byte_size(params)} of the device's " in message
+    message = errors_lib.out_of_memory_message(run, "Out of memory", True, False)
+    assert f"Per device the parameters take {errors_lib.byte_size(params)} of the device's " in message
 
 
 def test_an_eval_out_of_memory_names_eval_batch_size(runs, monkeypatch):
     config, straight, _, _ = runs
-    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
-                        _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
+    monkeypatch.setattr(steps_lib, "make_eval_step",
+                        _failing_at_call(steps_lib.make_eval_step, 1, _out_of_memory()))
     with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(Out of memory "
                                          r"allocating 1125899906842624 bytes\.\)\. Per device "
                                          r"the parameters take [0-9.]+ [KMG]?i?B; the rest holds "
                                          r"one eval batch's activations \(2 examples per "
                                          r"device\)\. To fit it: lower eval_batch_size \(now "
                                          r"0; 0: batch_size, 16\) or shard the parameters"):
-        loop.evaluate(config, straight)
+        evaluator.evaluate(config, straight)
 
 
 def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, monkeypatch):
     """A periodic eval out of memory: the train state is on the devices too (and step 2's
     checkpoint, saved before the eval, is kept)."""
     config = syn.tiny_config(eval_every_steps=2)
-    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
-                        _failing_at_call(loop.steps_lib.make_eval_step, 1, _out_of_memory()))
+    monkeypatch.setattr(steps_lib, "make_eval_step",
+                        _failing_at_call(steps_lib.make_eval_step, 1, _out_of_memory()))
     with pytest.raises(ValueError, match=r"^evaluation ran out of memory \(.*\)\. Per device "
                                          r"the train state \(parameters and optimizer state\) "
                                          r"takes [0-9.]+ [KMG]?i?B; the rest holds one eval batch's"):
-        loop.train(config, tmp_path)
-    assert loop.saved_steps(tmp_path) == [2]
+        trainer.train(config, tmp_path)
+    assert workdir_lib.saved_steps(tmp_path) == [2]
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "init_from"])
@@ -732,16 +741,16 @@ def test_eval_holds_only_the_parameters_on_the_devices(runs, tmp_path, monkeypat
                 return step(*a)
             return run
         return make
-    monkeypatch.setattr(loop.steps_lib, "make_eval_step",
-                        measuring(loop.steps_lib.make_eval_step))
-    run = loop.prepare(config, workdir, training=False)
+    monkeypatch.setattr(steps_lib, "make_eval_step",
+                        measuring(steps_lib.make_eval_step))
+    run = run_setup.prepare(config, workdir, training=False)
     params = sum(math.prod(x.shape) * x.dtype.itemsize
                  for x in jax.tree.leaves(run.abstract.params))
     opt = sum(math.prod(x.shape) * x.dtype.itemsize
               for x in jax.tree.leaves(run.abstract.opt_state))
     gc.collect()
     before = live_bytes()
-    loop.evaluate(config, workdir)
+    evaluator.evaluate(config, workdir)
     assert opt >= 2 * params   # AdamW's two moments
     assert during[0] - before < params + opt / 2, (during[0] - before, params, opt)
 
@@ -755,13 +764,13 @@ def test_train_records_the_share_of_time_spent_waiting_for_input(runs, tmp_path,
     shares = [r["input_wait_share"] for r in _records(straight)
               if r["split"] == "train" and "steps_per_s" in r]
     assert len(shares) == 5 and all(0 <= s <= 1 for s in shares), shares
-    global_batch = loop.global_batch
+    global_batch = mesh_lib.global_batch
 
     def slow_global_batch(*args):
         time.sleep(0.5)
         return global_batch(*args)
-    monkeypatch.setattr(loop, "global_batch", slow_global_batch)
-    loop.train(syn.tiny_config(num_steps=5), tmp_path)
+    monkeypatch.setattr(mesh_lib, "global_batch", slow_global_batch)
+    trainer.train(syn.tiny_config(num_steps=5), tmp_path)
     logs = [r for r in _records(tmp_path) if r["split"] == "train" and "steps_per_s" in r]
     slow = [r["input_wait_share"] for r in logs]
     waited = [r["input_wait_share"] / r["steps_per_s"] for r in logs]   # s per interval
@@ -771,15 +780,15 @@ def test_train_records_the_share_of_time_spent_waiting_for_input(runs, tmp_path,
 
 def test_train_prints_the_parameter_count_and_the_state_per_device(tmp_path, monkeypatch):
     config = syn.tiny_config(**{"mesh.data": 4, "mesh.fsdp": 2})
-    run = loop.prepare(config, tmp_path, training=True)
+    run = run_setup.prepare(config, tmp_path, training=True)
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(run.abstract.params))
-    held = loop.bytes_per_device(run.abstract)
-    assert loop.state_size_line(run) == \
+    held = errors_lib.bytes_per_device(run.abstract)
+    assert errors_lib.state_size_line(run) == \
         f"{count:,} parameters; the train state takes {held / 2**10:.3g} KiB per device"
-    monkeypatch.setattr(loop, "device_memory_limit", lambda: 2**34)
-    assert loop.state_size_line(run).endswith(" per device (of the device's 16 GiB)")
+    monkeypatch.setattr(errors_lib, "device_memory_limit", lambda: 2**34)
+    assert errors_lib.state_size_line(run).endswith(" per device (of the device's 16 GiB)")
 
 
 def test_byte_sizes_in_words():
-    assert [loop.byte_size(n) for n in (512, 3584, 5 * 2**20, 1.03 * 2**30, 80 * 2**30)] == \
+    assert [errors_lib.byte_size(n) for n in (512, 3584, 5 * 2**20, 1.03 * 2**30, 80 * 2**30)] == \
         ["512 B", "3.5 KiB", "5 MiB", "1.03 GiB", "80 GiB"]

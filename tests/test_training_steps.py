@@ -10,7 +10,7 @@ from posjax.models.layout import stack_layers
 from posjax.training import mesh as mesh_lib
 from posjax.training import optim, state as state_lib, steps
 from posjax.training.tasks import make_task
-from posjax.training.text_recipes import mlm_config
+from configs.text_recipes import mlm_config
 
 import test_training_synthetic as syn
 

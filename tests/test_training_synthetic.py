@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from posjax.training import loop
+from posjax import config_defaults
 from posjax.training.tasks import ImageClassification, make_task, register_task
 
 NUM_CLASSES = 4
@@ -72,7 +72,7 @@ class SyntheticImages(ImageClassification):
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
     """A 1-layer ViT (hidden 16) on 8x8 synthetic images; 6 steps, checkpoints every 2."""
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.task = "synthetic_images"
     config.model = dict(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
                         num_heads=2, num_layers=1, mlp_dim=32, num_classes=NUM_CLASSES,

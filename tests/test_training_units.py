@@ -17,9 +17,20 @@ import pytest
 from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
 from posjax.training import checkpoint as ckpt_lib
-from posjax.training import flops, loop, metrics, optim
+from posjax import config_defaults
+from posjax.training import errors as errors_lib
+from posjax.training import evaluator
+from posjax.training import flops, metrics, optim, peak_flops
 from posjax.training import mesh as mesh_lib
+from posjax.training import results as results_lib
+from posjax.training import run_config
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
+from posjax.training import init_from_checks
+from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
+from posjax.training import stop_request
 
 import test_training_synthetic as syn
 from model_inputs import every_eqn
@@ -189,7 +200,7 @@ def test_vit_b16_flops_match_the_published_count():
 
 
 def _opt(**kw):
-    return {**loop.default_config().optimizer.to_dict(), **kw}
+    return {**config_defaults.default_config().optimizer.to_dict(), **kw}
 
 
 def test_schedule_warmup_then_cosine_and_linear():
@@ -305,19 +316,19 @@ def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, match):
     with config.unlocked():
         config.update_from_flattened_dict(overrides)
     with pytest.raises(ValueError, match=match):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
 def test_missing_dataset_path_is_refused(tmp_path):
     from posjax.data import default_data_config
-    config = loop.default_config()
+    config = config_defaults.default_config()
     config.data = default_data_config("mnist")
     config.data.path = str(tmp_path / "no_mnist_here")
     config.model = dict(image_size=28, patch_size=7, num_channels=1, hidden_size=16,
                         num_heads=2, num_layers=1, mlp_dim=32, num_classes=10)
     with pytest.raises(ValueError, match="data.path="):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -326,26 +337,26 @@ def test_workdir_checks(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        loop.train(config, a_file / "run")
+        trainer.train(config, a_file / "run")
     with pytest.raises(ValueError, match="not writable"):
-        loop.train(config, "/proc/posjax_run")
+        trainer.train(config, "/proc/posjax_run")
     # A workdir with another config's checkpointed run is refused and left as it was.
     workdir = tmp_path / "other"
     (workdir / "checkpoints" / "4").mkdir(parents=True)     # a finalized step directory
     other = syn.tiny_config(**{"model.hidden_size": 32, "num_steps": 9, "mesh.data": 2})
-    saved = json.dumps(loop.config_dict(other))
-    (workdir / loop.CONFIG_FILE).write_text(saved)
+    saved = json.dumps(config_defaults.config_dict(other))
+    (workdir / config_defaults.CONFIG_FILE).write_text(saved)
     with pytest.raises(ValueError, match=r"another config(.|\n)*model.hidden_size: 32 -> 16"
                                          r"(.|\n)*num_steps: 9 -> 6"):
-        loop.train(config, workdir)
-    assert (workdir / loop.CONFIG_FILE).read_text() == saved
-    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", loop.CONFIG_FILE]
+        trainer.train(config, workdir)
+    assert (workdir / config_defaults.CONFIG_FILE).read_text() == saved
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", config_defaults.CONFIG_FILE]
 
 
 def _checkpointed_workdir(path, config):
     """A workdir as a run of ``config`` leaves it after its first checkpoint (step 2)."""
     (path / "checkpoints" / "2").mkdir(parents=True)
-    (path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+    (path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(config)))
     return path
 
 
@@ -353,19 +364,19 @@ def test_a_run_without_checkpoints_does_not_block_a_corrected_rerun(tmp_path):
     """A config.json left by a run that failed before its first checkpoint (another config,
     or a damaged file) is replaced: nothing depends on it yet."""
     config = syn.tiny_config()
-    for text in (json.dumps(loop.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
+    for text in (json.dumps(config_defaults.config_dict(syn.tiny_config(**{"model.num_channels": 3}))),
                  ""):
-        (tmp_path / loop.CONFIG_FILE).write_text(text)
+        (tmp_path / config_defaults.CONFIG_FILE).write_text(text)
         (tmp_path / "checkpoints").mkdir(exist_ok=True)       # created, nothing saved
-        loop.check_workdir(tmp_path, config)
-        assert loop.config_to_save(tmp_path, config) == loop.config_dict(config)
+        workdir_lib.check_workdir(tmp_path, config)
+        assert workdir_lib.config_to_save(tmp_path, config) == config_defaults.config_dict(config)
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda w: (w / "metrics.jsonl").mkdir(), "metrics.jsonl is a directory, not a file: move it "
                                              "out of the workdir"),
     (lambda w: (w / "loss_curve.png").mkdir(), "loss_curve.png is a directory, not a file"),
-    (lambda w: (w / loop.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
+    (lambda w: (w / config_defaults.CONFIG_FILE).mkdir(), "config.json is a directory, not a file"),
     (lambda w: (w / "tensorboard").write_text(""), "tensorboard is a file, not a directory"),
     (lambda w: (w / "checkpoints").symlink_to(w / "volume"),
      r"checkpoints is a symbolic link to '.*/volume', which does not exist \(storage not "
@@ -378,7 +389,7 @@ def test_workdir_entries_of_the_wrong_kind_are_refused_before_anything_runs(tmp_
     workdir.mkdir()
     make(workdir)
     with pytest.raises(ValueError, match=rf"^workdir '{workdir}': {message}"):
-        loop.train(syn.tiny_config(), workdir)
+        trainer.train(syn.tiny_config(), workdir)
 
 
 def test_a_workdir_under_a_file_is_refused_before_anything_runs(tmp_path):
@@ -386,14 +397,14 @@ def test_a_workdir_under_a_file_is_refused_before_anything_runs(tmp_path):
     afile.write_text("")
     with pytest.raises(ValueError, match=rf"^workdir '{afile / 'w'}': '{afile}' is a file, not "
                                          "a directory; choose another workdir$"):
-        loop.train(syn.tiny_config(), afile / "w")
+        trainer.train(syn.tiny_config(), afile / "w")
 
 
 def test_eval_refuses_checkpoints_it_could_not_write_its_metrics_beside(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
     (workdir / "predictions").write_text("")
     with pytest.raises(ValueError, match=f"^workdir '{workdir}': predictions is a file"):
-        loop.prepare(syn.tiny_config(), workdir, training=False)
+        run_setup.prepare(syn.tiny_config(), workdir, training=False)
 
 
 def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
@@ -402,57 +413,57 @@ def test_a_fresh_start_replaces_nothing_it_should_not(tmp_path):
     saved checkpoints (lost, or on storage that is not mounted); a run that stopped before or
     just after its first save (async) starts over."""
     config = syn.tiny_config()   # checkpoint.every_steps = 2
-    (tmp_path / loop.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
+    (tmp_path / config_defaults.CONFIG_FILE).write_text('{"model_type": "deberta-v2", "vocab_size": 9}')
     with pytest.raises(ValueError, match=r"its config.json is not a posjax run's \(keys "
                                          r"\['model_type', 'vocab_size'\]\); refusing"):
-        loop.check_workdir(tmp_path, config)
-    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(config)))
+        workdir_lib.check_workdir(tmp_path, config)
+    (tmp_path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(config)))
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 5)))
-    loop.check_workdir(tmp_path, config)   # step 4 = 2 x every_steps: the save may be pending
+    workdir_lib.check_workdir(tmp_path, config)   # step 4 = 2 x every_steps: the save may be pending
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 5, "split": "train", "loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match=r"has metrics up to step 5 but no checkpoint in .*"
                                          r"checkpoints \(checkpoint.every_steps=2\): if the "
                                          r"checkpoints are elsewhere"):
-        loop.check_workdir(tmp_path, config)
+        workdir_lib.check_workdir(tmp_path, config)
     # The interval the metrics were written with is the saved run's, not this command's.
     saved_every_step = syn.tiny_config(**{"checkpoint.every_steps": 1})
-    (tmp_path / loop.CONFIG_FILE).write_text(json.dumps(loop.config_dict(saved_every_step)))
+    (tmp_path / config_defaults.CONFIG_FILE).write_text(json.dumps(config_defaults.config_dict(saved_every_step)))
     metrics.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n"
                                for s in range(1, 4)))
     with pytest.raises(ValueError, match=r"up to step 3 .*\(checkpoint.every_steps=1\)"):
-        loop.check_workdir(tmp_path, config)
+        workdir_lib.check_workdir(tmp_path, config)
 
 
 def test_damaged_config_json_is_named_with_the_fix(tmp_path):
     workdir = _checkpointed_workdir(tmp_path, syn.tiny_config())
-    (workdir / loop.CONFIG_FILE).write_text("")
-    message = f"{workdir / loop.CONFIG_FILE} is damaged.*restore it from a copy"
+    (workdir / config_defaults.CONFIG_FILE).write_text("")
+    message = f"{workdir / config_defaults.CONFIG_FILE} is damaged.*restore it from a copy"
     with pytest.raises(ValueError, match=message):
-        loop.check_workdir(workdir, syn.tiny_config())
+        workdir_lib.check_workdir(workdir, syn.tiny_config())
     with pytest.raises(ValueError, match=message):
-        loop.load_saved_config(workdir)
-    (workdir / loop.CONFIG_FILE).write_text("[1, 2]")
+        config_defaults.load_saved_config(workdir)
+    (workdir / config_defaults.CONFIG_FILE).write_text("[1, 2]")
     with pytest.raises(ValueError, match="damaged \\(not a JSON object\\)"):
-        loop.check_workdir(workdir, syn.tiny_config())
+        workdir_lib.check_workdir(workdir, syn.tiny_config())
 
 
 def test_saved_config_of_another_program_or_an_older_run(tmp_path):
     """configs/saved.py (eval.py's default) refuses another program's config.json in one
     error, and fills a key an older run's config.json lacks with today's default."""
-    path = tmp_path / loop.CONFIG_FILE
+    path = tmp_path / config_defaults.CONFIG_FILE
     path.write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ValueError, match=r"is not a posjax run's config \(keys \['architec"):
-        loop.load_saved_config(tmp_path)
-    old = loop.config_dict(syn.tiny_config())
+        config_defaults.load_saved_config(tmp_path)
+    old = config_defaults.config_dict(syn.tiny_config())
     del old["eval_batch_size"], old["distributed"], old["checkpoint"]["async_save"]
     path.write_text(json.dumps(old))
-    loaded = loop.load_saved_config(tmp_path)
+    loaded = config_defaults.load_saved_config(tmp_path)
     assert loaded.eval_batch_size == 0 and loaded.distributed.enabled is False
     assert loaded.checkpoint.async_save is True and loaded.checkpoint.every_steps == 2
-    assert loop.config_dict(loaded) == loop.config_dict(syn.tiny_config())
+    assert config_defaults.config_dict(loaded) == config_defaults.config_dict(syn.tiny_config())
 
 
 def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_path):
@@ -460,38 +471,38 @@ def test_every_text_model_field_can_be_overridden_and_old_runs_still_resume(tmp_
     when they listed only the fields they set resumes and evaluates with the recipe, also with
     another remat or gather (how the same model is computed); a real model change is still
     refused."""
-    from posjax.training.text_recipes import mlm_config
+    from configs.text_recipes import mlm_config
     config = mlm_config("deberta", "tiny")
     assert {"remat", "scan_layers", "gather"} <= set(config.model)
     workdir = _checkpointed_workdir(tmp_path, config)
-    saved = json.loads((workdir / loop.CONFIG_FILE).read_text())
+    saved = json.loads((workdir / config_defaults.CONFIG_FILE).read_text())
     recipe_set = {"position_scheme", "vocab_size", "hidden_size", "num_heads", "num_layers",
                   "mlp_dim", "max_position_embeddings", "type_vocab_size", "hidden_act",
                   "layer_norm_eps", "dropout_rate", "attention_dropout_rate", "use_emd",
                   "position_biased_input", "max_relative_positions", "pos_att_type"}
     saved["model"] = {k: v for k, v in saved["model"].items() if k in recipe_set}
-    (workdir / loop.CONFIG_FILE).write_text(json.dumps(saved))
-    loop.check_workdir(workdir, config)
-    loop.check_eval_config(workdir, config)
+    (workdir / config_defaults.CONFIG_FILE).write_text(json.dumps(saved))
+    workdir_lib.check_workdir(workdir, config)
+    workdir_lib.check_eval_config(workdir, config)
     computed_otherwise = config.copy_and_resolve_references()
     computed_otherwise.model.remat = True
     computed_otherwise.model.gather = "skew"
-    loop.check_workdir(workdir, computed_otherwise)
-    loop.check_eval_config(workdir, computed_otherwise)
+    workdir_lib.check_workdir(workdir, computed_otherwise)
+    workdir_lib.check_eval_config(workdir, computed_otherwise)
     changed = config.copy_and_resolve_references()
     changed.model.scan_layers = True            # another parameter layout
     with pytest.raises(ValueError, match="another config(.|\n)*model.scan_layers: False -> True"):
-        loop.check_workdir(workdir, changed)
+        workdir_lib.check_workdir(workdir, changed)
     with pytest.raises(ValueError, match="model.scan_layers: False -> True"):
-        loop.check_eval_config(workdir, changed)
+        workdir_lib.check_eval_config(workdir, changed)
 
 
 def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path):
     path = tmp_path / "config.json"
-    loop.write_json(path, {"a": 1})
+    workdir_lib.write_json(path, {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
     with pytest.raises(TypeError):
-        loop.write_json(path, {"a": object()})          # fails half-way through encoding
+        workdir_lib.write_json(path, {"a": object()})          # fails half-way through encoding
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]   # no temp file left
 
@@ -506,14 +517,14 @@ def test_worker_count_change_is_refused_on_resume(tmp_path):
     changed = config.copy_and_resolve_references()
     changed.data.worker_count = 2
     with pytest.raises(ValueError, match="another config(.|\n)*data.worker_count: 0 -> 2"):
-        loop.check_workdir(workdir, changed)
+        workdir_lib.check_workdir(workdir, changed)
 
 
 def test_init_from_with_an_empty_params_folder_is_one_error(tmp_path):
     (tmp_path / "params").mkdir()          # a converter folder whose save never happened
     with pytest.raises(ValueError, match=r"^init_from='.*': .*params: cannot read this "
                                          r"checkpoint \(FileNotFoundError: "):
-        state_lib.check_init_from(tmp_path, {})
+        init_from_checks.check_init_from(tmp_path, {})
 
 
 def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
@@ -522,13 +533,13 @@ def test_init_from_is_read_only_by_a_fresh_start(tmp_path):
     gone = str(tmp_path / "export_deleted_since")
     config = syn.tiny_config(init_from=gone)
     with pytest.raises(ValueError, match="init_from="):
-        loop.prepare(config, tmp_path / "fresh", training=True)
+        run_setup.prepare(config, tmp_path / "fresh", training=True)
     workdir = _checkpointed_workdir(tmp_path / "run", config)
-    loop.prepare(config, workdir, training=True)
-    loop.prepare(config, workdir, training=False)
+    run_setup.prepare(config, workdir, training=True)
+    run_setup.prepare(config, workdir, training=False)
     elsewhere = syn.tiny_config(init_from=str(tmp_path / "another_export"))
-    loop.prepare(elsewhere, workdir, training=True)
-    assert loop.config_to_save(workdir, elsewhere)["init_from"] == gone
+    run_setup.prepare(elsewhere, workdir, training=True)
+    assert workdir_lib.config_to_save(workdir, elsewhere)["init_from"] == gone
 
 
 def test_eval_may_change_only_how_it_reads_the_data(tmp_path):
@@ -538,12 +549,12 @@ def test_eval_may_change_only_how_it_reads_the_data(tmp_path):
                                  "batch_size": 8, "init_from": "/elsewhere"})
     with allowed.unlocked():
         allowed.data = {"test_split": "train[:10%]", "path": "/moved"}
-    loop.check_eval_config(workdir, allowed)
+    workdir_lib.check_eval_config(workdir, allowed)
     changed = syn.tiny_config(**{"model.hidden_size": 32, "optimizer.name": "sgd"})
     with pytest.raises(ValueError, match=r"model or its checkpointed state:\n"
                                          r"  model.hidden_size: 16 -> 32\n"
                                          r"  optimizer.name: 'adamw' -> 'sgd'\n"):
-        loop.check_eval_config(workdir, changed)
+        workdir_lib.check_eval_config(workdir, changed)
 
 
 def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
@@ -559,7 +570,7 @@ def test_data_that_does_not_fit_the_model_is_refused_before_writing(tmp_path):
         config = vit_digits.get_config("tiny")
         config.model[field] = value
         with pytest.raises(ValueError, match=match):
-            loop.train(config, tmp_path / "w")
+            trainer.train(config, tmp_path / "w")
         assert not (tmp_path / "w").exists()
 
 
@@ -571,7 +582,7 @@ def test_a_bad_test_split_is_refused_before_writing(tmp_path):
     config = vit_digits.get_config("tiny")
     config.data.test_split = "test[5:5]"
     with pytest.raises(ValueError, match=r"data.test_split selects 0 examples"):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
     folder = tmp_path / "npz"
     folder.mkdir()
@@ -583,7 +594,7 @@ def test_a_bad_test_split_is_refused_before_writing(tmp_path):
     config.data.update(name="cifar10", path=str(folder), train_split="train", test_split="test")
     config.model.num_classes = 8
     with pytest.raises(ValueError, match=rf"{folder / 'test.npz'}: cannot be read as an npz"):
-        loop.train(config, tmp_path / "w")
+        trainer.train(config, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
@@ -591,16 +602,16 @@ def test_the_test_split_is_read_once_per_run(tmp_path, monkeypatch):
     """Opened before anything is written, then each evaluation is a fresh pass over it (MLM
     packs its whole test split when opened: that was done again at every evaluation)."""
     opened = []
-    make = loop.Run.make_eval_pipeline
-    monkeypatch.setattr(loop.Run, "make_eval_pipeline",
+    make = run_setup.Run.make_eval_pipeline
+    monkeypatch.setattr(run_setup.Run, "make_eval_pipeline",
                         lambda self: (opened.append(1), make(self))[1])
     config = syn.tiny_config(**{"num_steps": 4, "eval_every_steps": 1})
-    result = loop.train(config, tmp_path / "w")
+    result = trainer.train(config, tmp_path / "w")
     evals = [r for r in metrics.read_metrics(tmp_path / "w" / "metrics.jsonl")
              if r["split"] == "eval"]
     assert opened == [1] and [r["step"] for r in evals] == [1, 2, 3, 4]
     assert evals[-1]["num_examples"] == result.eval["num_examples"] > 0
-    assert loop.evaluate(config, tmp_path / "w") == {"step": 4, "split": "test", **result.eval}
+    assert evaluator.evaluate(config, tmp_path / "w") == {"step": 4, "split": "test", **result.eval}
 
 
 def test_init_from_summary_counts_and_shows_the_first_notes():
@@ -609,7 +620,7 @@ def test_init_from_summary_counts_and_shows_the_first_notes():
               "resampled grid (4, 4) -> (2, 2)",
               "['encoder']['layers']['fc']: the first 1 of the saved layers (2)",
               "['cls']: in the checkpoint but not in this model, ignored"]
-    text = state_lib.init_from_summary("/ckpt", notes, shown=3)
+    text = init_from_lib.init_from_summary("/ckpt", notes, shown=3)
     assert text.splitlines() == [
         "init_from /ckpt: 9 parameter(s) not loaded as they are (7 skipped, 2 adapted):",
         *(f"  {n}" for n in notes[:3]), "  ... and 6 more"]
@@ -624,7 +635,7 @@ def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
     table = np.random.default_rng(0).normal(size=(1, 64, 4)).astype(np.float32)
     target = {"pos_embedding": jnp.zeros((1, 8 * 32, 4))}
     replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    merged, notes = state_lib.merge_pretrained(target, {"['pos_embedding']": table},
+    merged, notes = init_from_lib.merge_pretrained(target, {"['pos_embedding']": table},
                                                {"pos_embedding": replicated}, saved_cfg, (8, 32))
     assert notes == ["['pos_embedding']: resampled grid (4, 16) -> (8, 32)"]
     np.testing.assert_array_equal(merged["pos_embedding"],
@@ -633,26 +644,26 @@ def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
 
 
 def test_split_tags_keep_splits_apart():
-    tags = [loop.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
+    tags = [results_lib.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
     assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]
 
 
 def test_eval_tags_keep_other_data_apart():
-    saved = loop.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
+    saved = config_defaults.config_dict(syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "t"}}))
     same = syn.tiny_config(**{"data": {"data_dir": "/d", "test_split": "v", "worker_count": 2}})
-    assert loop.eval_tag(None, same) == "" and loop.eval_tag(saved, same) == ""
-    assert loop.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
+    assert results_lib.eval_tag(None, same) == "" and results_lib.eval_tag(saved, same) == ""
+    assert results_lib.eval_tag(saved, syn.tiny_config(**{"data": {"path": "/p", "data_dir": "/d"}}))
     other = syn.tiny_config(**{"data": {"data_dir": "/e"}})
-    assert loop.eval_tag(saved, other) == loop.eval_tag(saved, other.copy_and_resolve_references())
-    assert loop.eval_tag(saved, other) not in ("", loop.eval_tag(
+    assert results_lib.eval_tag(saved, other) == results_lib.eval_tag(saved, other.copy_and_resolve_references())
+    assert results_lib.eval_tag(saved, other) not in ("", results_lib.eval_tag(
         saved, syn.tiny_config(**{"data": {"data_dir": "/f"}})))
 
 
 def test_operational_keys_may_change_on_resume():
-    a = loop.config_dict(syn.tiny_config())
-    b = loop.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
+    a = config_defaults.config_dict(syn.tiny_config())
+    b = config_defaults.config_dict(syn.tiny_config(**{"mesh.data": 2, "checkpoint.every_steps": 5,
                                             "log_every_steps": 3, "eval_batch_size": 8}))
-    assert loop.config_differences(a, b) == []
+    assert run_config.config_differences(a, b) == []
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -668,9 +679,9 @@ def test_metric_accumulator_weights():
 def test_divergence_checks_sums_and_every_state_value():
     acc = metrics.MetricAccumulator()
     acc.add({"loss": (jnp.float32(0.0), jnp.float32(0.0)), "grad_norm": jnp.float32(0.0)})
-    assert acc.all_finite(loop.DIVERGENCE_METRICS)   # a batch without weight is no divergence
+    assert acc.all_finite(errors_lib.DIVERGENCE_METRICS)   # a batch without weight is no divergence
     acc.add({"loss": (jnp.float32(jnp.nan), jnp.float32(1.0)), "grad_norm": jnp.float32(1.0)})
-    assert not acc.all_finite(loop.DIVERGENCE_METRICS)
+    assert not acc.all_finite(errors_lib.DIVERGENCE_METRICS)
     assert acc.all_finite(("grad_norm",))
     state = state_lib.TrainState(step=jnp.int32(3), params={"w": jnp.ones((2, 2))},
                                  opt_state=(jnp.zeros(2), {"nu": jnp.ones(3)}))
@@ -688,34 +699,34 @@ def test_jsonl_drops_records_after_the_resume_step(tmp_path):
 
 
 def test_peak_flops_sources():
-    configured = metrics.peak_flops_per_device(5e12)
+    configured = peak_flops.peak_flops_per_device(5e12)
     assert (configured.value, configured.source, configured.measure) == (
         5e12, "config.peak_flops", None)
-    measured = metrics.peak_flops_per_device()
+    measured = peak_flops.peak_flops_per_device()
     assert measured.value > 1e8 and measured.source.startswith("measured")   # CPU: no table
-    assert measured.measure is metrics.measure_matmul_flops
+    assert measured.measure is peak_flops.measure_matmul_flops
 
 
 def test_best_rate_keeps_the_fastest_trial():
     clock = iter([0.0, 3.0, 10.0, 12.0, 20.0, 25.0]).__next__   # trials of 3 s, 2 s, 5 s
     calls = []
-    assert metrics.best_rate(8.0, lambda: calls.append(1), 3, timer=clock) == 4.0
+    assert peak_flops.best_rate(8.0, lambda: calls.append(1), 3, timer=clock) == 4.0
     assert len(calls) == 3
 
 
 def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
     measurements = iter([150.0, 400.0])
-    peak = metrics.PeakFlops(100.0, "measured", measure=lambda: next(measurements))
+    peak = peak_flops.PeakFlops(100.0, "measured", measure=lambda: next(measurements))
     assert peak.mfu(50.0) == 0.5 and peak.value == 100.0        # <= 1: not re-measured
     assert peak.mfu(200.0) == 1.0 and peak.value == 200.0       # re-measured 150 < achieved
     assert peak.mfu(300.0) == 0.75 and peak.value == 400.0      # re-measured 400
-    fixed = metrics.PeakFlops(100.0, "config.peak_flops")
+    fixed = peak_flops.PeakFlops(100.0, "config.peak_flops")
     assert fixed.mfu(200.0) == 2.0 and fixed.value == 100.0     # a configured peak is kept
 
 
 def test_process_row_blocks_on_the_local_mesh():
     mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
-    assert loop.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
+    assert mesh_lib.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
 
 
 @pytest.mark.parametrize("rows,shards,expected", [
@@ -724,7 +735,7 @@ def test_process_row_blocks_on_the_local_mesh():
     ({0: {0}, 1: {1}, 2: {2}, 3: {3}}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
 ])
 def test_row_blocks_of_contiguous_shards(rows, shards, expected):
-    assert loop.row_blocks(rows, shards, "mesh M") == expected
+    assert mesh_lib.row_blocks(rows, shards, "mesh M") == expected
 
 
 @pytest.mark.parametrize("rows,shards,match", [
@@ -734,7 +745,7 @@ def test_row_blocks_of_contiguous_shards(rows, shards, expected):
 ])
 def test_row_blocks_refuse_meshes_the_pipeline_cannot_feed(rows, shards, match):
     with pytest.raises(ValueError, match=match):
-        loop.row_blocks(rows, shards, "mesh M")
+        mesh_lib.row_blocks(rows, shards, "mesh M")
 
 
 def _wait_for(predicate, seconds: float = 5.0) -> bool:
@@ -748,14 +759,14 @@ def test_stop_request_is_set_by_sigterm_or_ctrl_c_and_restores_the_handlers():
     """(A second Ctrl-C ends the process: tests/test_train_cli.py checks it in a subprocess.)"""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
-        with ckpt_lib.StopRequest() as stop:
+        with stop_request.StopRequest() as stop:
             assert not stop.requested
             os.kill(os.getpid(), signum)
             assert _wait_for(lambda: stop.requested)
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)   # nohup: stays ignored
     try:
-        with ckpt_lib.StopRequest() as stop:
+        with stop_request.StopRequest() as stop:
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) != before[1]
     finally:
@@ -809,8 +820,8 @@ def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
     monkeypatch.setattr(workdir_lock, "exclusive", another_run_ends_first)
     with pytest.raises(ValueError, match=r"holds a run with another config(.|\n)*"
                                          r"optimizer.learning_rate: 0.05 -> "):
-        loop.train(config, tmp_path / "w")
-    assert json.loads((tmp_path / "w" / loop.CONFIG_FILE).read_text()) == loop.config_dict(other)
+        trainer.train(config, tmp_path / "w")
+    assert json.loads((tmp_path / "w" / config_defaults.CONFIG_FILE).read_text()) == config_defaults.config_dict(other)
 
 
 def test_a_save_that_fails_for_another_reason_than_storage_is_no_save_failed(tmp_path):

@@ -38,7 +38,7 @@ from posjax.convert.pretrained import (Pretrained, build_module, expected_params
                                        resize_vit)
 from posjax.convert.tensors import read_folder_weights, read_npz, write_safetensors
 from posjax.data import identity
-from posjax.data.common import local_path
+from posjax.io_utils import local_path
 
 __all__ = ["Pretrained", "build_module", "expected_params", "export_hf", "load_checkpoint",
            "load_pretrained", "resize_vit", "save_checkpoint", "source_data_identity"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from posjax.convert import export_hf, load_pretrained, save_checkpoint, source_data_identity
 from posjax.convert.destination import new_destination
-from posjax.data.common import local_path
+from posjax.io_utils import local_path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

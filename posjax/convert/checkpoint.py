@@ -21,12 +21,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from posjax.checkpoint_io import read_item
 from posjax.convert.destination import write_directory
 from posjax.convert.mapping import check_tree, flatten
 from posjax.convert.pretrained import KINDS, TASKS, Pretrained, expected_params
 from posjax.data import identity
 from posjax.models.config import TextConfig, ViTConfig
-from posjax.training.checkpoint import read_item
 
 MODEL_CONFIG = "model_config.json"
 PARAMS = "params"

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-from posjax.data.common import check_creatable, local_path
+from posjax.io_utils import check_creatable, local_path
 
 
 def new_destination(dest: str | pathlib.Path, what: str = "destination") -> pathlib.Path:

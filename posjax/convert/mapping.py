@@ -16,8 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-Path = tuple[str, ...]
-Tree = dict[str, Any]
+from posjax.models.params import Path, Tree, flatten, unflatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,26 +82,6 @@ def linear_from_heads(source: str, target: Path, heads: int) -> list[Link]:
                  _one(lambda w: w.T.reshape(heads, -1, w.shape[0])),
                  _one(lambda k: k.reshape(-1, k.shape[-1]).T)),
             copy(f"{source}.bias", target + ("bias",))]
-
-
-def flatten(tree: Mapping[str, Any], prefix: Path = ()) -> dict[Path, Any]:
-    out: dict[Path, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def unflatten(flat: Mapping[Path, Any]) -> Tree:
-    tree: Tree = {}
-    for path, v in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return tree
 
 
 def _name(path: Path) -> str:

@@ -13,6 +13,7 @@ from posjax.convert.mapping import check_tree
 from posjax.layers.positions import resample_position_table
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.layout import to_layout
+from posjax.models.params import flatten, param_key, patch_table_prefix, unflatten
 from posjax.models.text import TextEncoder, TextForMaskedLM, TextForSequenceClassification
 from posjax.models.vit import ViT
 
@@ -112,26 +113,25 @@ def resize_vit(pre: Pretrained, image_size: int | tuple[int, int],
     """The same ViT at another resolution: the grid rows of each learned absolute table are
     resampled to the new patch grid (``resample_position_table``), the rows before them kept:
     ``pos_embedding`` (1, [CLS] + grid, H), and TUPE's ``encoder/tupe_bias/position_embeddings``
-    (its reset row, [CLS] and the grid, H). Relative tables do not depend on the grid size."""
+    (its reset row, [CLS] and the grid, H): ``posjax.models.params.patch_table_prefix``, the
+    rule ``init_from`` follows. Relative tables do not depend on the grid size."""
     if pre.kind != "vit":
         raise ValueError(f"image_size applies to ViT checkpoints only, this one is {pre.kind!r}")
     cfg = dataclasses.replace(pre.config, image_size=image_size)
     if cfg.image_size == pre.config.image_size:
         return pre
-    has_cls = cfg.pooling == "token"
-    params = dict(pre.params)
+    num_prefix_tokens = int(cfg.pooling == "token")   # the [CLS] token
 
     def resample(table: Any, num_prefix_rows: int) -> np.ndarray:
         return np.asarray(resample_position_table(table, pre.config.grid_size, cfg.grid_size,
                                                   num_prefix_rows, method), np.float32)
 
-    if "pos_embedding" in params:
-        params["pos_embedding"] = resample(params["pos_embedding"], int(has_cls))
-    tupe = params.get("encoder", {}).get("tupe_bias")
-    if tupe is not None:
-        tupe = {**tupe, "position_embeddings": resample(tupe["position_embeddings"],
-                                                        1 + int(has_cls))}
-        params["encoder"] = {**params["encoder"], "tupe_bias": tupe}
+    flat = flatten(pre.params)
+    for path, table in flat.items():
+        prefix = patch_table_prefix(param_key(path), num_prefix_tokens)
+        if prefix is not None:
+            flat[path] = resample(table, prefix)
+    params = unflatten(flat)
     check_tree(params, expected_params(pre.kind, pre.task, cfg, pre.num_labels),
                f"resize to image_size={image_size}")
     return Pretrained(cfg, params, pre.kind, pre.task)

@@ -5,51 +5,21 @@ import atexit
 import contextlib
 import functools
 import gc
-import glob
 import multiprocessing.resource_tracker
 import os
 import pathlib
 import re
 import signal
-import socket
-import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
 
+from posjax.io_utils import SHIELDED_SIGNALS
+
 Example = dict[str, np.ndarray]
-
-
-SHIELDED_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-_receiver: threading.Thread | None = None
-
-
-@contextlib.contextmanager
-def signals_to_receiver_thread() -> Iterator[None]:
-    """Inside: SIGTERM and SIGINT reach the process through one daemon thread started for the
-    purpose; the calling thread blocks them, and so does every thread or process started inside
-    (they inherit the block). Python still runs the handlers in the main thread, as always.
-
-    This closes the start-up window of input workers: a SIGTERM sent to the whole process group
-    while a worker is still importing (about 2 s) would otherwise kill it with the default
-    action before ``input_worker_init`` runs, and the main process would wait for its batches
-    forever. Signals that arrive meanwhile are not lost; the block ends on exit."""
-    global _receiver
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    if _receiver is None:   # started with the caller's (unblocked) mask, lives for the process
-        _receiver = threading.Thread(target=threading.Event().wait, name="signal-receiver",
-                                     daemon=True)
-        _receiver.start()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 _waits_at_exit = False      # prepare_input_workers registered wait_for_shared_memory_release
@@ -157,110 +127,6 @@ def key_problems(cfg: Mapping[str, Any], defaults: Mapping[str, Any], start_from
     return out
 
 
-def error_summary(error: BaseException) -> str:
-    """``Type: first line of the message``: TFDS's DatasetNotFoundError lists every dataset it
-    knows (~250 lines) after its first line."""
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def local_path(value: str | os.PathLike, what: str) -> pathlib.Path:
-    """``value`` as an absolute local path (``~`` expanded). A URL (``gs://``, ``s3://``, ...)
-    is one ValueError naming ``what``: runs read and write their folders through the file
-    system (a file lock, atomic renames), and pathlib would turn ``gs://b/x`` into a local
-    folder ``gs:/b/x``."""
-    text = os.fspath(value)
-    if not text.strip():
-        raise ValueError(f"{what} is empty (an unset shell variable?): give a path")
-    if _URL.match(text):
-        raise ValueError(f"{what}={text!r} is a URL, but posjax opens its folders through "
-                         "the file system (a workdir needs file locks and atomic renames): give "
-                         "a local path, or on several hosts a shared file system every host "
-                         "mounts (NFS, Filestore)")
-    return pathlib.Path(text).expanduser().resolve()
-
-
-def check_creatable(path: pathlib.Path, what: str) -> None:
-    """One ValueError naming ``what`` unless ``path`` is a directory this process can write
-    in, or can be created as one (its nearest existing ancestor is such a directory)."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{what} {str(path)!r}: {str(existing)!r} is a file, not a "
-                         f"directory; choose another {what}")
-    why = cannot_write_in(existing)
-    if why:
-        raise ValueError(f"{what} {str(path)!r} is not writable ({str(existing)!r}: {why}); "
-                         "choose a directory you can write to")
-
-
-def cannot_write_in(directory: pathlib.Path) -> str | None:
-    """Why no file can be created in ``directory`` (None if one can)."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            return None
-    except OSError as e:
-        return e.strerror
-
-
-def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
-    """``write(tmp)`` into a temporary file in ``path``'s folder, then ``os.replace`` it onto
-    ``path``: a crash leaves the old file or the new one, never a partial one. The file gets
-    the usual permissions (0666 less the umask), readable by others on shared storage.
-
-    The temporary file is ``.<name>.<host>.<pid namespace>.<pid>.tmp``; those a killed writer
-    of this host and PID namespace left for the same ``path`` are removed first (a SIGKILL
-    mid-write cannot clean up after itself).
-    """
-    prefix = f".{path.name}.{_pid_space()}."
-    _remove_abandoned(path.parent, prefix)
-    tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _pid_space() -> str:
-    """Where a pid names one process: this host and PID namespace (containers sharing a host
-    name, with host networking, have PID namespaces of their own)."""
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:   # not Linux
-        namespace = 0
-    return f"{socket.gethostname()}.{namespace}"
-
-
-def _remove_abandoned(folder: pathlib.Path, prefix: str) -> None:
-    """Remove ``folder/<prefix><pid>.tmp`` files whose writer is gone (``prefix`` names this
-    host and PID namespace, where the pid means one process)."""
-    for tmp in folder.glob(glob.escape(prefix) + "*.tmp"):
-        pid = tmp.name[len(prefix):-len(".tmp")]
-        if pid.isdigit() and not _process_exists(int(pid)):
-            tmp.unlink(missing_ok=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process
-        return True
-    return True
-
-
-def write_text_atomically(path: pathlib.Path, text: str) -> None:
-    """``text`` into ``path`` (UTF-8), atomically (``write_atomically``)."""
-    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def not_utf8_error(path: str | pathlib.Path, error: UnicodeDecodeError, *, offset: int = 0,
                    line: int | None = None) -> ValueError:
     """The one error for a file that is not UTF-8: ``path``, the bad bytes (``error``'s
@@ -275,6 +141,37 @@ def line_at(data: bytes, offset: int) -> int:
     """The line (from 1) holding byte ``offset`` of ``data``; lines end at \\n, \\r\\n or \\r."""
     before = data[:offset]
     return len(before.splitlines()) + (not before or before.endswith((b"\n", b"\r")))
+
+
+def utf8_lines(lines: Iterable[Any], path: str | pathlib.Path) -> Iterator[Any]:
+    """``lines`` as they are: bytes (each checked; no UTF-8 character holds a newline byte, so
+    lines decode on their own), or str from a file opened as UTF-8 (its decoding error is
+    placed by reading the file again). A byte that is not UTF-8 raises one ValueError naming
+    the file, the bytes and their line (``not_utf8_error``)."""
+    lines = iter(lines)
+    offset = number = 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as chunk_error:   # its position is within a read chunk
+            data = pathlib.Path(path).read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise not_utf8_error(path, e, line=line_at(data, e.start)) from e
+            raise ValueError(f"{path}: was not valid UTF-8 while it was read (it has changed "
+                             "since); read it again, and convert it to UTF-8 if it is not"
+                             ) from chunk_error
+        number += 1
+        if isinstance(line, bytes):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise not_utf8_error(path, e, offset=offset, line=number) from e
+            offset += len(line)
+        yield line
 
 
 def ceil_div(a: int, b: int) -> int:

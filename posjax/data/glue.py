@@ -56,11 +56,12 @@ import grain
 import ml_collections
 import numpy as np
 
+from posjax import config_defaults
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
-                                 key_problems, line_at, not_utf8_error, pad_to_full_batches,
-                                 stack_examples, write_text_atomically)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
+                                pad_to_full_batches, stack_examples, utf8_lines)
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
+from posjax.io_utils import error_summary, write_text_atomically
 
 MAX_BAD_FRACTION = 0.01
 Example = dict[str, Any]
@@ -202,7 +203,7 @@ def read_tsv(path: str | pathlib.Path, task: GlueTask, labelled: bool, every_row
                          f"folder holding {task.folder}/ (the GLUE download layout)")
     examples: list[Example] = []
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(_utf8_lines(f, path), delimiter="\t", quoting=csv.QUOTE_NONE)
+        reader = csv.reader(utf8_lines(f, path), delimiter="\t", quoting=csv.QUOTE_NONE)
         header = list(task.headerless) if (labelled and task.headerless) else next(reader, None)
         if header is None:
             raise ValueError(f"GLUE file {str(path)!r} is empty")
@@ -238,20 +239,6 @@ def read_tsv(path: str | pathlib.Path, task: GlueTask, labelled: bool, every_row
     report.kept = len(examples)
     _check_bad_rows(report, labelled, every_row)
     return examples, report
-
-
-def _utf8_lines(file, path: pathlib.Path):
-    """The lines of the open text ``file``; a byte that is not UTF-8 raises ValueError."""
-    try:
-        yield from file
-    except UnicodeDecodeError as chunk_error:  # its position is within a read chunk
-        data = path.read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise not_utf8_error(path, e, line=line_at(data, e.start)) from e
-        raise ValueError(f"{path}: was not valid UTF-8 while it was read (it has changed since); "
-                         "read it again, and convert it to UTF-8 if it is not") from chunk_error
 
 
 def _check_bad_rows(report: ReadReport, labelled: bool, every_row: bool) -> None:
@@ -489,18 +476,9 @@ def write_submission(task: GlueTask, split: str, idx: np.ndarray, predictions: n
 
 
 def default_glue_data_config(task: str = "sst2") -> ml_collections.ConfigDict:
-    """Every GLUE data key with its default (see the module docstring)."""
+    """Every GLUE data key with its default (``config_defaults.glue_data_config``)."""
     get_task(task)
-    return ml_collections.ConfigDict({
-        "task": task,
-        "glue_dir": "",
-        "data_dir": "",
-        "train_split": "train",
-        "test_split": "validation_matched" if task == "mnli" else "validation",
-        "tokenizer": "",
-        "lowercase": True,
-        "max_seq_length": 128,
-    })
+    return config_defaults.glue_data_config(task)
 
 
 def validate_glue_data_config(cfg: ml_collections.ConfigDict) -> None:

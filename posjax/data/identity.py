@@ -14,7 +14,7 @@ import json
 import pathlib
 from typing import Any
 
-from posjax.data.common import write_text_atomically
+from posjax.io_utils import write_text_atomically
 
 FILE = "data_identity.json"
 TOKENIZER_KEY = "data.tokenizer"

@@ -76,9 +76,10 @@ import ml_collections
 import numpy as np
 from absl import flags
 
+from posjax import config_defaults
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, input_worker_init,
-                                 key_problems, pad_to_full_batches, prepare_input_workers)
+                                key_problems, pad_to_full_batches, prepare_input_workers)
 
 NAMES = ("digits", "mnist", "cifar10", "image_folder", "tfds")
 LOCAL_WITH_PATH = ("mnist", "cifar10", "image_folder")
@@ -91,28 +92,10 @@ Example = dict[str, Any]
 
 
 def default_data_config(name: str = "digits") -> ml_collections.ConfigDict:
-    """Every data key with the defaults for ``name`` (see the module docstring)."""
+    """Every data key with the defaults for ``name`` (``config_defaults.image_data_config``)."""
     if name not in NAMES:
         raise ValueError(f"data name {name!r} is unknown; choose one of {', '.join(NAMES)}")
-    channels = 1 if name in ("digits", "mnist") else 3
-    natural = name in ("cifar10", "image_folder", "tfds")
-    return ml_collections.ConfigDict({
-        "name": name,
-        "path": "",
-        "tfds_name": "",
-        "data_dir": "",
-        "train_split": "train_20k" if name == "cifar10" else "train",
-        "test_split": "test",
-        "image_size": {"digits": 8, "mnist": 28, "cifar10": 32}.get(name, 224),
-        "random_resized_crop": natural,
-        "crop_scale": (0.08, 1.0) if name in ("image_folder", "tfds") else (0.25, 1.0),
-        "crop_ratio": (3 / 4, 4 / 3),
-        "flip": natural,
-        "mixup_alpha": 0.0,
-        "mean": (0.5,) * channels,
-        "std": (0.5,) * channels,
-        "worker_count": 0,
-    })
+    return config_defaults.image_data_config(name)
 
 
 def _problems(cfg: ml_collections.ConfigDict) -> list[str]:

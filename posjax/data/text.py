@@ -77,16 +77,18 @@ import glob
 import math
 import os
 import pathlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import grain
 import ml_collections
 import numpy as np
 
+from posjax import config_defaults
 from posjax.data import sources
-from posjax.data.common import (check_pipeline_call, error_summary, eval_batches_per_shard,
-                                 key_problems, not_utf8_error, stack_examples)
+from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
+                                not_utf8_error, stack_examples, utf8_lines)
 from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
+from posjax.io_utils import error_summary
 
 Example = dict[str, Any]
 SOURCES = ("text_files", "tfds")
@@ -97,26 +99,8 @@ DOC_BOUNDARIES = ("blank_line", "line")
 
 
 def default_mlm_data_config() -> ml_collections.ConfigDict:
-    """Every MLM data key with its default (see the module docstring)."""
-    return ml_collections.ConfigDict({
-        "source": "text_files",
-        "text_files": {"train": ""},
-        "doc_boundary": "blank_line",
-        "tfds_name": "",
-        "data_dir": "",
-        "text_key": "text",
-        "train_split": "train",
-        "test_split": "train",
-        "tokenizer": "",
-        "lowercase": True,
-        "unk_marker": "",
-        "max_seq_length": 128,
-        "mask_rate": 0.15,
-        "max_predictions": 0,
-        "whole_word": False,
-        "mask_token_rate": 0.8,
-        "random_token_rate": 0.1,
-    })
+    """Every MLM data key with its default (``config_defaults.mlm_data_config``)."""
+    return config_defaults.mlm_data_config()
 
 
 def max_predictions(cfg: ml_collections.ConfigDict) -> int:
@@ -238,19 +222,6 @@ def document_spans(lines: Iterable[bytes], boundary: str) -> np.ndarray:
     return np.asarray(spans, np.int64).reshape(-1, 2)
 
 
-def _utf8_lines(lines: Iterable[bytes], path: str) -> Iterator[bytes]:
-    """``lines`` as they are; a line that is not UTF-8 raises ValueError naming it (no UTF-8
-    character holds a newline byte, so lines decode on their own)."""
-    offset = 0
-    for number, line in enumerate(lines, 1):
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise not_utf8_error(path, e, offset=offset, line=number) from e
-        offset += len(line)
-        yield line
-
-
 class TextFileSource:
     """Random access to the documents of plain-text files (UTF-8), read lazily by byte span.
 
@@ -264,7 +235,7 @@ class TextFileSource:
         per_file = []
         for i, f in enumerate(self.files):
             with open(f, "rb") as fh:
-                spans = document_spans(_utf8_lines(fh, f), boundary)
+                spans = document_spans(utf8_lines(fh, f), boundary)
             per_file.append(np.concatenate([np.full((len(spans), 1), i, np.int64), spans], 1))
         self._docs = np.concatenate(per_file) if per_file else np.zeros((0, 3), np.int64)
 

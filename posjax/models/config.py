@@ -20,9 +20,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 GATHERS = ("take", "onehot", "shift", "skew")
 
 
-def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+def check(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok`` (every config check, model and training)."""
     if not ok:
-        raise ValueError(f"{field}={value!r} is not valid: {allowed}")
+        raise ValueError(message)
+
+
+def _check(ok: bool, field: str, value: Any, allowed: str) -> None:
+    check(ok, f"{field}={value!r} is not valid: {allowed}")
 
 
 _KINDS = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a number"),

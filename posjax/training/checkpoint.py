@@ -10,17 +10,13 @@ multi-process via JAX's preemption sync point, so every process saves the same s
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import os
 import pathlib
 import re
 import shutil
 import signal
-import sys
-import threading
 import warnings
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator
 
 import grain
 import jax
@@ -28,88 +24,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from posjax.data.common import error_summary
+from posjax import checkpoint_io
 
-
-class StopRequest:
-    """Context: SIGTERM or a first Ctrl-C (SIGINT) asks the training loop to stop
-    (``requested``): after the current step, with a checkpoint, once ``begin_steps`` was
-    called; before the first step, with nothing new to save, before that. A second Ctrl-C
-    aborts at once, status 130.
-
-    Single process, main thread only; with several processes nothing is installed: JAX's
-    preemption service owns SIGTERM (``Checkpointer.reached_preemption``), and Ctrl-C keeps
-    Python's default, since a stop on one host alone would leave the others waiting in a
-    collective. A signal the process ignores (``nohup``, a background job) stays ignored.
-
-    Python runs signal handlers in the main thread between bytecodes, late when it is busy in a
-    compile or a wait, and two signals that arrive meanwhile make one call. So each signal is
-    also written to a wakeup pipe (``signal.set_wakeup_fd``) that a watcher thread reads: it
-    sees every press at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._in_steps = False
-        self._lock = threading.Lock()
-        self._previous: dict[int, Any] = {}
-        self._previous_fd: int | None = None
-        self._pipe: tuple[int, int] | None = None
-
-    def __enter__(self) -> "StopRequest":
-        if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-            return self
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if signal.getsignal(signum) != signal.SIG_IGN:
-                self._previous[signum] = signal.signal(signum, self._request)
-        self._pipe = os.pipe()
-        os.set_blocking(self._pipe[1], False)
-        self._previous_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(self._pipe[0],), name="stop-request",
-                         daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._pipe is not None:
-            signal.set_wakeup_fd(self._previous_fd)
-            os.close(self._pipe[1])    # the watcher reads end-of-file and ends
-            self._pipe = None
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-    def begin_steps(self) -> bool:
-        """From now on a stop saves after the current step; returns whether a stop was
-        requested before (the run then stops with nothing new to save)."""
-        with self._lock:
-            self._in_steps = True
-            return self.requested
-
-    def _watch(self, read_fd: int) -> None:
-        interrupts = 0
-        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-            while byte := pipe.read(1):
-                signum = byte[0]
-                if signum == signal.SIGINT:
-                    interrupts += 1
-                    if interrupts >= 2:
-                        print("aborted by Ctrl-C", file=sys.stderr, flush=True)
-                        os._exit(130)
-                if signum in self._previous:
-                    self._request(signum)
-
-    def _request(self, signum: int, frame: Any = None) -> None:
-        """Python's handler (main thread) and the watcher's action: both see each signal."""
-        with self._lock:
-            if self.requested:
-                return
-            self.requested = True
-            in_steps = self._in_steps
-        what = ("will save a checkpoint after the current step and exit" if in_steps
-                else "stopping before the first step; nothing new to save")
-        again = ("" if signum != signal.SIGINT else
-                 "; Ctrl-C again aborts without saving" if in_steps else
-                 "; Ctrl-C again aborts at once")
-        logging.warning("%s: %s%s", signal.Signals(signum).name, what, again)
+if TYPE_CHECKING:
+    from posjax.training.stop_request import StopRequest
 
 
 class SaveFailed(RuntimeError):
@@ -153,7 +71,7 @@ class _OrbaxErrorsOnOneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and "/orbax/" in record.pathname:
-            record.msg, record.args = short_error(record.getMessage()), ()
+            record.msg, record.args = checkpoint_io.short_error(record.getMessage()), ()
             record.exc_info = record.exc_text = record.stack_info = None
         return True
 
@@ -183,7 +101,8 @@ class Checkpointer:
         self._failed = False
         self._quiet = _OrbaxErrorsOnOneLine()
         logging.getLogger("absl").addFilter(self._quiet)
-        _drop_closed_loop_callbacks()   # a failed write leaves callbacks into a closed loop
+        # A failed write leaves callbacks into a closed event loop.
+        checkpoint_io.drop_closed_loop_callbacks()
 
     def _remove_partial_saves(self) -> None:
         """Remove the partial saves of runs that died mid-save (<step>.orbax-checkpoint-tmp,
@@ -252,7 +171,7 @@ class Checkpointer:
         again (asyncio logs each when its task is collected, even at exit, and Python warns
         of those it never started)."""
         self._failed = True
-        logging.getLogger("asyncio").addFilter(_MentionsPath(self.directory))
+        logging.getLogger("asyncio").addFilter(checkpoint_io.MentionsPath(self.directory))
         warnings.filterwarnings("ignore", r"coroutine 'async_serialize", RuntimeWarning)
         try:
             on_disk = set(ocp.utils.checkpoint_steps(self.directory))
@@ -265,8 +184,8 @@ class Checkpointer:
                 "the storage, then start this run again to resume from there" if latest is not
                 None else "No checkpoint was complete yet; fix the storage, then start again")
         return SaveFailed(f"the checkpoint of step {failed} could not be written in "
-                          f"{self.directory} ({_root_cause(error)}): is the disk full, or the "
-                          f"folder no longer writable? {kept}")
+                          f"{self.directory} ({checkpoint_io.root_cause(error)}): is the disk "
+                          f"full, or the folder no longer writable? {kept}")
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
@@ -291,15 +210,15 @@ class Checkpointer:
                 "the config of the run that saved it (its config.json), or another "
                 "--workdir; the checkpoint itself is not damaged")
         try:
-            with failures_reported_once(path):
+            with checkpoint_io.failures_reported_once(path):
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
             others = [s for s in self.manager.all_steps() if s != step]
             fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
                         if others else "and delete metrics.jsonl to start over")
             raise ValueError(
-                f"checkpoint {path} cannot be restored ({_root_cause(e)}). If it is damaged "
-                f"(a full disk, an interrupted copy), move it out of {self.directory} "
+                f"checkpoint {path} cannot be restored ({checkpoint_io.root_cause(e)}). If it is "
+                f"damaged (a full disk, an interrupted copy), move it out of {self.directory} "
                 f"{fallback}") from e
         return restored["state"]
 
@@ -343,7 +262,7 @@ def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str
     lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
     the checkpoint's metadata cannot be read (a damaged checkpoint)."""
     try:
-        saved = read_metadata_tree(state_dir).get("params")
+        saved = checkpoint_io.read_metadata_tree(state_dir).get("params")
     except ValueError:   # unreadable metadata: the restore's error says why
         return []
     if not isinstance(saved, dict):
@@ -368,110 +287,3 @@ def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str
     return out
 
 
-def _root_cause(error: BaseException) -> str:
-    """The innermost exception in ``error``'s chain: its type and the first line of its
-    message (``error_summary``, shortened by ``short_error``)."""
-    while True:
-        inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-        if inner is None:
-            break
-        error = inner
-    return short_error(error_summary(error))
-
-
-def short_error(text: str) -> str:
-    """The first line of an error's ``text`` without TensorStore's spec dump, at most 500
-    characters."""
-    line = (text.strip().splitlines() or [""])[0]
-    line = re.sub(r"\s*\[tensorstore_spec(\[\d+\])?='.*$", "", line)
-    return line if len(line) <= 500 else line[:497] + "..."
-
-
-class _MentionsPath(logging.Filter):
-    """Drops log records whose text names a file under ``path``."""
-
-    def __init__(self, path: pathlib.Path):
-        super().__init__()
-        self.path = str(pathlib.Path(path).expanduser().resolve())   # as TensorStore names it
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.path + os.sep not in record.getMessage()
-
-
-def _is_callback_into_closed_loop(unraisable: Any) -> bool:
-    """A TensorStore read finishing after Orbax closed the event loop that awaited it."""
-    error, frames = unraisable.exc_value, unraisable.exc_traceback
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-        return False
-    while frames is not None:
-        if frames.tb_frame.f_code.co_name == "call_soon_threadsafe":
-            return True
-        frames = frames.tb_next
-    return False
-
-
-def _drop_closed_loop_callbacks() -> None:
-    """Install (once) an unraisable hook that drops ``_is_callback_into_closed_loop``."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop_callbacks", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _is_callback_into_closed_loop(unraisable):
-            previous(unraisable)
-    hook.drops_closed_loop_callbacks = True
-    sys.unraisablehook = hook
-
-
-@contextlib.contextmanager
-def failures_reported_once(path: pathlib.Path) -> Iterator[None]:
-    """Around a read of the checkpoint at ``path`` whose failure the caller reports: drop the
-    echoes of that failure.
-
-    Orbax awaits all of a checkpoint's array reads at once and closes its event loop when the
-    first fails. The other reads of the same damaged files then fail too, each logged by
-    asyncio as "exception was never retrieved" (with a multi-kilobyte TensorStore spec) when
-    its task is collected, which may be before or after the error reaches the caller; and
-    reads still in flight call back into the closed loop ("Event loop is closed", printed as
-    an unraisable exception). A damaged checkpoint printed tens of kilobytes of both around
-    the one error that names it. Dropped: asyncio records that name ``path`` (from the read
-    on; for good once it failed) and callbacks into a closed event loop."""
-    echoes = _MentionsPath(path)
-    asyncio_log = logging.getLogger("asyncio")
-    asyncio_log.addFilter(echoes)
-    _drop_closed_loop_callbacks()
-    try:
-        yield
-    except Exception:
-        with warnings.catch_warnings():   # and reads it never started, as coroutines
-            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
-            gc.collect()   # the failed tasks are reported now, while the filter is in place
-        raise
-    asyncio_log.removeFilter(echoes)
-
-
-T = TypeVar("T")
-
-
-def read_metadata_tree(directory: pathlib.Path) -> dict[str, Any]:
-    """The saved tree of one Orbax item folder (``read_item``) as metadata: shapes and dtypes,
-    no arrays read."""
-    meta = read_item(directory, ocp.PyTreeCheckpointHandler(),
-                     lambda handler: handler.metadata(directory))
-    return dict(getattr(meta, "tree", meta))
-
-
-def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -> T:
-    """``read(handler)`` on one Orbax item folder: a converter's ``params/``, or the ``state``
-    item of a train.py step, whose checkpoint-level metadata file is one level up (so a
-    Checkpointer would warn that it is missing; the item's handler does not). The handler is
-    closed after; a missing or damaged item raises one ValueError naming the folder."""
-    try:
-        with failures_reported_once(directory):
-            return read(handler)
-    except Exception as e:   # noqa: BLE001 -- Orbax raises assorted errors for such files
-        raise ValueError(f"{directory}: cannot read this checkpoint "
-                         f"({_root_cause(e)}); if it is damaged (a full disk, "
-                         "an interrupted copy), copy or convert it again") from e
-    finally:
-        handler.close()

@@ -2,7 +2,8 @@
 
 Mesh axes: ``data`` (pure data parallelism, parameters replicated), ``fsdp`` (data parallelism
 with parameters and optimizer state sharded along ``embed``), ``tensor`` (heads / MLP / vocab
-split across devices). The batch is split over data × fsdp.
+split across devices). The batch is split over data × fsdp; each process owns one block of its
+rows (``process_row_blocks``) and ``global_batch`` makes global arrays of them.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from posjax.models.config import check
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -122,3 +126,58 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh,
 
     return jax.tree_util.tree_map_with_path(
         fit, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+    """The global batch must split evenly over processes, batch shards and microbatches."""
+    shards = batch_shards(mesh)
+    n = config.microbatches
+    for key in ("batch_size", "eval_batch_size"):
+        size = config[key] or config.batch_size
+        need = shards * (n if key == "batch_size" else 1)
+        check(size % need == 0,
+               f"{key}={size} is not divisible by " + (
+                   f"microbatches={n} x batch shards (data x fsdp = {shards})"
+                   if key == "batch_size" else f"the batch shards (data x fsdp = {shards})")
+               + f": use a multiple of {need}")
+        check(size % jax.process_count() == 0,
+               f"{key}={size} is not divisible by the {jax.process_count()} processes")
+    process_row_blocks(mesh)   # raises when processes do not own one block of rows each
+
+
+def process_row_blocks(mesh: Mesh) -> dict[int, int]:
+    """{process index: k}: the process owns rows block k of the global batch (blocks of
+    b / processes rows in row order), so it feeds shard k of the input pipeline and
+    ``make_array_from_process_local_data`` places its rows where the pipeline means them."""
+    shards = batch_shards(mesh)
+    rows: dict[int, set[int]] = {}
+    sharding = batch_sharding(mesh)
+    for device, index in sharding.devices_indices_map((shards,)).items():
+        rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
+    return row_blocks(rows, shards, f"mesh {dict(mesh.shape)}")
+
+
+def row_blocks(rows: dict[int, set[int]], shards: int, where: str) -> dict[int, int]:
+    """{process: k} from the batch shards each process holds ({process: shard indices} of
+    ``shards``): process p must hold exactly the contiguous shards of block k, blocks of
+    shards / processes, one block per process. ``where`` names the mesh in the error."""
+    check(shards % len(rows) == 0,
+           f"{where} has data x fsdp = {shards} batch shards, which do not split over the "
+           f"{len(rows)} processes: make data x fsdp a multiple of {len(rows)}")
+    size = shards // len(rows)
+    blocks = {p: min(r) // size for p, r in rows.items()}
+    contiguous = all(r == set(range(blocks[p] * size, (blocks[p] + 1) * size))
+                     for p, r in rows.items())
+    check(contiguous and sorted(blocks.values()) == list(range(len(rows))),
+           f"{where} does not give each of the {len(rows)} processes its own contiguous block "
+           f"of batch rows (batch shards by process: "
+           f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple "
+           "of the process count, with each process's devices adjacent along data x fsdp")
+    return blocks
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over data × fsdp."""
+    return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim),
+                                                      np.asarray(v))
+            for k, v in local.items()}

@@ -8,7 +8,8 @@ gives its ids other meanings; another copy of a split shifts its share of every 
 and an evaluation pass of another length waits forever in a collective; a workdir that is not
 one shared directory leaves every checkpoint split between the hosts' disks. So each value is
 exchanged (``gather``: two all-gathers of its JSON) and every process raises the same error,
-naming the processes and keys that differ from process 0's.
+naming the processes and keys that differ from process 0's: ``check_same_config``,
+``check_same_data_identity``, ``check_same_splits``, ``check_same_init_from``.
 """
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ import uuid
 from typing import Any, Callable
 
 import jax
+import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
+
+from posjax.data import identity as identity_lib
+from posjax.training import run_config
+from posjax.training import init_from as init_from_lib
+from posjax.training import workdir as workdir_lib
 
 SHOWN = 8   # differences named in one error
 
@@ -155,3 +162,49 @@ def _read(path: pathlib.Path) -> str | None:
         return path.read_text(errors="replace")
     except OSError:
         return None
+
+
+def check_same_config(config: ml_collections.ConfigDict) -> None:
+    """Every process must have process 0's config (``config.distributed`` may differ):
+    ``check_agree``."""
+    check_agree(lambda: {k: v for k, v in run_config.flattened(config).items()
+                                   if not run_config.under(k, ("distributed",))},
+                          "were started with different configs",
+                          "Start every process with the same --config and --config.* flags "
+                          "(only config.distributed may differ).")
+
+
+def check_same_data_identity(config: ml_collections.ConfigDict,
+                             data_identity: dict[str, Any]) -> None:
+    """Every process's data files must mean what process 0's do (``data_identity``: the
+    vocabulary), though the configs agree: a host with another copy under the same path."""
+    def show(key: str, entry: Any, first: Any) -> str:
+        ranges = workdir_lib.id_ranges(identity_lib.changed_blocks(first or {}, entry or {}))
+        return f"{key}={run_config.flattened(config).get(key)!r} holds another vocabulary than " \
+               f"process 0's (ids {ranges} differ)"
+
+    check_agree(lambda: data_identity, "read different data",
+                          "Give every host the same copy of the data files.", show)
+
+
+def check_same_splits(pipelines: dict[str, Any]) -> None:
+    """Every process's copy of each split must hold as many examples as process 0's (else its
+    share of the global batches shifts, and an evaluation pass of another length waits forever
+    in a collective). ``pipelines``: {"train" or "test": its pipeline (``num_examples``)}."""
+    check_agree(
+        lambda: {split: getattr(pipe, "num_examples", None) for split, pipe in pipelines.items()},
+        "read different data",
+        "Give every host the same copy of the data (the files or TFDS data_dir of config.data).",
+        lambda split, n, first: f"its data.{split}_split has {n} examples (process 0: {first})")
+
+
+def check_same_init_from(path: str) -> None:
+    """Every process must read the same weights from ``init_from`` (``path``) as process 0
+    (``state.init_from_fingerprint``): a host with its own copy of another checkpoint under
+    that path would load other parameters into its shards of the one model."""
+    check_agree(
+        lambda: {"init_from": init_from_lib.init_from_fingerprint(path)}, "read different data",
+        "Give every host the same copy of the weights (or keep them on a file system every "
+        "host mounts), and start from a run's checkpoints only once it has stopped saving.",
+        lambda key, mine, first: f"init_from={path!r} holds other weights than process 0's "
+                                 f"({'none' if mine is None else 'another checkpoint'} there)")

@@ -19,7 +19,6 @@ GLUE submission format (``write_predictions``).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -37,7 +36,7 @@ from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
 from posjax.training import flops
-from posjax.training.state import SAME_FUNCTION_FIELDS
+from posjax.models import params as params_lib
 from posjax.training.tasks import Metrics, Task, model_config_from, register_task
 
 Array = jax.Array
@@ -108,7 +107,7 @@ class _TextTask(Task):
             raise ValueError(f"label_smoothing={smoothing!r}: the {self.name} task trains on "
                              "plain cross-entropy and would ignore it; set it to 0")
         cfg = self.model_config
-        if unread := unread_scheme_settings(cfg):
+        if unread := params_lib.unread_scheme_settings(cfg):
             field, readers = unread[0]
             raise ValueError(
                 f"model.{field}={getattr(cfg, field)!r} has no effect with position_scheme="
@@ -117,20 +116,6 @@ class _TextTask(Task):
         check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
                          "data.max_seq_length")
         return cfg
-
-
-def unread_scheme_settings(cfg: TextConfig) -> list[tuple[str, tuple[str, ...]]]:
-    """(field, schemes that read it) for each scheme setting (``SAME_FUNCTION_FIELDS``) that
-    ``cfg`` sets away from its default although its own position scheme does not read it
-    (e.g. pos_att_type with bert_abs): such an override would change nothing."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TextConfig)}
-    own = set(SAME_FUNCTION_FIELDS["*"]) | set(SAME_FUNCTION_FIELDS.get(cfg.position_scheme, ()))
-    readers: dict[str, tuple[str, ...]] = {}
-    for scheme, fields in SAME_FUNCTION_FIELDS.items():
-        for field in fields:
-            if scheme != "*" and field not in own:
-                readers[field] = readers.get(field, ()) + (scheme,)
-    return [(f, schemes) for f, schemes in readers.items() if getattr(cfg, f) != defaults[f]]
 
 
 # ----------------------------------------------------------------------------- MLM

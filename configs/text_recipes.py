@@ -12,30 +12,31 @@ relative bias), ``tupe_a``, ``tupe_r`` (untied positions, no token types as in T
 fairseq code), ``bert_a_d`` (TUPE's ablation BERT-A-d: all four word/position terms with their
 own projections, [CLS] tied; TUPE's recipe otherwise), ``deberta`` (v1 disentangled attention,
 no absolute input positions, EMD for MLM, LayerNorm eps 1e-7).
+
+Variants (``key=value`` items, ``configs/mlm_tupe_r.py:size=tiny``): MLM ``size`` (base, tiny)
+and ``seq`` (128, 512; base only); GLUE ``task`` and ``scheme``; both ``data_root`` (default
+``$POSJAX_DATA``, else ../shared/data), from which the tiny variants' data paths follow. The
+older spellings still work: ``:tiny``, ``:seq512``, ``:sst2,deberta``.
 """
 from __future__ import annotations
 
 import math
-import pathlib
 
 import ml_collections
 
-from posjax.data.glue import TASKS as GLUE_TASKS
-from posjax.data.glue import default_glue_data_config
-from posjax.data.text import default_mlm_data_config
-from posjax.models.config import TextConfig
-from posjax.training.loop import default_config, model_defaults
+from posjax import config_defaults as defaults
 
 SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe_r": "tupe_r",
            "bert_a_d": "bert_abs_d", "deberta": "deberta"}
-# Real data next to the project (../shared/data); the tiny variants default to it.
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data"
-BERT_VOCAB = SHARED_DATA / "bert-base-uncased-vocab" / "vocab.txt"
-WIKITEXT2_VALID = SHARED_DATA / "wikitext-2" / "valid.txt"
+# Under config.data_root (``config_defaults.data_root``): the tiny variants' data.
+BERT_VOCAB = ("bert-base-uncased-vocab", "vocab.txt")
+WIKITEXT2_VALID = ("wikitext-2", "valid.txt")
 TINY_POSITIONS = 128        # tiny models: position tables (and DeBERTa span) of 128 tokens
 TINY_GLUE_MAX_STEPS = 600   # tiny GLUE: at most 600 steps (~15 min on 2 shared CPU cores)
 GLUE_TRAIN_SIZES = {"cola": 8551, "sst2": 67349, "mrpc": 3668, "qqp": 363846, "stsb": 5749,
                     "mnli": 392702, "qnli": 104743, "rte": 2490, "wnli": 635}
+GLUE_TASKS = tuple(GLUE_TRAIN_SIZES)          # posjax.data.glue.TASKS (a test checks)
+GLUE_SINGLE_SENTENCE = ("cola", "sst2")       # the others are sentence pairs
 
 
 def text_model(scheme: str, size: str, max_length: int) -> dict:
@@ -58,29 +59,33 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
     if scheme == "deberta":
         model.update(type_vocab_size=0, layer_norm_eps=1e-7, position_biased_input=False,
                      max_relative_positions=max_length, pos_att_type=("c2p", "p2c"))
-    return model_defaults(TextConfig, **model)
-
-
-def _parse(variant: str, allowed: tuple[str, ...]) -> str:
-    if variant not in allowed:
-        raise ValueError(f"variant {variant!r} is unknown: use one of "
-                         f"{', '.join(repr(a) for a in allowed)}")
-    return variant
+    return defaults.text_model(**model)
 
 
 def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
-    """MLM pretraining: ``''`` paper scale, seq 128 (TFDS wikipedia); ``'seq512'`` the same at
-    512 tokens; ``'tiny'`` a 4×128 model on WikiText-2 valid (95% train, 5% eval) with the BERT
-    vocabulary, 1000 steps of 32 × 128 tokens (CPU)."""
-    _parse(variant, ("", "seq512", "tiny"))
-    config = default_config()
+    """MLM pretraining: ``size=base`` (default) paper scale, seq 128 (TFDS wikipedia);
+    ``seq=512`` the same at 512 tokens; ``size=tiny`` a 4×128 model on WikiText-2 valid (95%
+    train, 5% eval) with the BERT vocabulary, 1000 steps of 32 × 128 tokens (CPU)."""
+    where = f"configs/mlm_{scheme}.py"
+    given = defaults.variant_values(variant, {"size": "base", "seq": "128", "data_root": ""},
+                                    where, aliases={"tiny": {"size": "tiny"},
+                                                    "seq512": {"seq": "512"}})
+    if given["size"] not in ("base", "tiny") or given["seq"] not in ("128", "512") or (
+            given["size"] == "tiny" and given["seq"] != "128"):
+        raise ValueError(f"variant {variant!r} is unknown: use one of '', 'seq512', 'tiny' "
+                         "(size=base|tiny, seq=128|512 for base)")
+    config = defaults.default_config()
+    if given["data_root"]:
+        config.data_root = given["data_root"]
     config.task = "mlm"
-    data = default_mlm_data_config()
-    if variant == "tiny":
+    data = defaults.mlm_data_config()
+    if given["size"] == "tiny":
         length = 128
-        data.update(source="text_files", text_files={"valid": str(WIKITEXT2_VALID)},
+        data.update(source="text_files",
+                    text_files={"valid": defaults.root_path(config, *WIKITEXT2_VALID)},
                     train_split="valid[:95%]", test_split="valid[95%:]",
-                    tokenizer=str(BERT_VOCAB), unk_marker="<unk>", max_seq_length=length)
+                    tokenizer=defaults.root_path(config, *BERT_VOCAB), unk_marker="<unk>",
+                    max_seq_length=length)
         config.model = text_model(scheme, "tiny", TINY_POSITIONS)
         config.num_steps = 1000
         config.batch_size = 32
@@ -91,10 +96,10 @@ def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
                                 weight_decay=0.01, grad_clip_norm=1.0)
         config.checkpoint.every_steps = 250
     else:
-        length = 512 if variant == "seq512" else 128
+        length = int(given["seq"])
         data.update(source="tfds", tfds_name="wikipedia/20230601.en", text_key="text",
                     train_split="train[:99%]", test_split="train[99%:]",
-                    tokenizer=str(BERT_VOCAB), max_seq_length=length)
+                    tokenizer=defaults.root_path(config, *BERT_VOCAB), max_seq_length=length)
         config.model = text_model(scheme, "base", 512)
         config.num_steps = 1_000_000
         config.batch_size = 256
@@ -111,26 +116,30 @@ def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
 
 
 def glue_config(variant: str, size: str) -> ml_collections.ConfigDict:
-    """GLUE fine-tuning; ``variant`` = ``task`` or ``task,scheme`` (default scheme tupe_r).
+    """GLUE fine-tuning; ``variant``: ``task=``, ``scheme=`` (default tupe_r), ``data_root=``
+    (older spelling ``task`` or ``task,scheme``).
 
     ``size='base'``: the paper-scale model and recipe, TFDS ``glue/<task>``;
     ``size='tiny'``: the tiny MLM model, the GLUE download layout in ../shared/data/glue,
     3 epochs capped at 600 steps, sequences of 64 tokens (single sentences) or 128 (pairs).
     Set ``init_from`` to the pretrained encoder (see RESULTS.md for the commands).
     """
-    task, _, scheme = variant.partition(",")
-    scheme = scheme or "tupe_r"
+    given = defaults.variant_values(variant, {"task": "sst2", "scheme": "tupe_r",
+                                              "data_root": ""}, f"configs/glue_{size}.py")
+    task, scheme = given["task"], given["scheme"]
     if task not in GLUE_TASKS:
         raise ValueError(f"variant {variant!r}: GLUE task {task!r} is unknown; use "
                          f"'<task>[,<scheme>]' with task one of {', '.join(GLUE_TASKS)}")
-    config = default_config()
+    config = defaults.default_config()
+    if given["data_root"]:
+        config.data_root = given["data_root"]
     config.task = "glue"
-    data = default_glue_data_config(task)
-    data.tokenizer = str(BERT_VOCAB)
+    data = defaults.glue_data_config(task)
+    data.tokenizer = defaults.root_path(config, *BERT_VOCAB)
     batch = 32
     if size == "tiny":   # single sentences fit 64 tokens (SST-2: 4 of 67k cut), pairs 128
-        length = 64 if len(GLUE_TASKS[task].tsv_text) == 1 else 128
-        data.update(glue_dir=str(SHARED_DATA / "glue"), max_seq_length=length)
+        length = 64 if task in GLUE_SINGLE_SENTENCE else 128
+        data.update(glue_dir=defaults.root_path(config, "glue"), max_seq_length=length)
         config.model = text_model(scheme, "tiny", TINY_POSITIONS)
         epochs, lr, max_steps = 3, 5e-4, TINY_GLUE_MAX_STEPS
     else:

@@ -1,0 +1,127 @@
+"""Set-up of a run: ``prepare`` checks everything the user can get wrong (config values, mesh
+vs devices, batch divisibility, data files and splits, the workdir, init_from) before anything
+is compiled or written, and builds the ``Run`` (abstract state only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from posjax import config_defaults
+from posjax.io_utils import local_path
+from posjax.training import mesh as mesh_lib
+from posjax.training import optim
+from posjax.training import processes
+from posjax.training import results
+from posjax.training import run_config
+from posjax.training import init_from_checks
+from posjax.training import state as state_lib
+from posjax.training import workdir as workdir_lib
+from posjax.training.tasks import Task, make_task
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built from a validated config, before any compilation."""
+
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    task: Task
+    model: nn.Module
+    mesh: Mesh
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract: state_lib.TrainState
+    shardings: state_lib.TrainState
+    evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
+    eval_tag: str = ""                  # eval.py on other data than the run's (``eval_tag``)
+    data_identity: dict[str, Any] = dataclasses.field(default_factory=dict)   # task's, at set-up
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+    def context(self):
+        """Mesh + logical rules, active while steps are traced and run."""
+        return _Context(self.mesh)
+
+    def make_pipeline(self, split: str, global_batch_size: int, train: bool) -> Any:
+        """This process's input pipeline: shard k of ``jax.process_count()``, k = the block of
+        batch rows the mesh gives this process (``process_row_blocks``)."""
+        count = jax.process_count()
+        shard = mesh_lib.process_row_blocks(self.mesh)[jax.process_index()]
+        return self.task.make_pipeline(split, global_batch_size // count, self.config.seed,
+                                       train, shard, count)
+
+    def make_eval_pipeline(self) -> Any:
+        """One pass over ``data.test_split`` in eval batches."""
+        return self.make_pipeline("test", self.config.eval_batch_size or self.config.batch_size,
+                                  False)
+
+
+class _Context:
+    def __init__(self, mesh: Mesh):
+        self._mesh = jax.set_mesh(mesh)
+        self._rules = nn.logical_axis_rules(mesh_lib.LOGICAL_RULES)
+
+    def __enter__(self):
+        self._mesh.__enter__()
+        self._rules.__enter__()
+
+    def __exit__(self, *exc):
+        self._rules.__exit__(*exc)
+        self._mesh.__exit__(*exc)
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+            training: bool) -> Run:
+    """Validate everything and build the run's objects (abstract only: nothing compiled)."""
+    workdir = local_path(workdir, "--workdir")
+    processes.check_same_software()
+    processes.check_same_config(config)   # first: else one process may fail alone on its own config
+    task = make_task(config)
+    run_config.validate_training_config(config)
+    task.validate()
+    mesh = mesh_lib.build_mesh(config.mesh)
+    mesh_lib.validate_batch(config, mesh)
+    identity = task.data_identity()
+    processes.check_same_data_identity(config, identity)
+    if not training:   # (train.py checks once it holds the workdir)
+        processes.check_shared_workdir(workdir, config_defaults.CONFIG_FILE)
+    pretrained = workdir_lib.evaluates_init_from(config, workdir, training)
+    tag = ""
+    if training:
+        workdir_lib.check_workdir(workdir, config, identity)
+    elif pretrained:
+        workdir_lib.check_writable(workdir)
+        workdir_lib.check_entries(workdir, workdir_lib.EVAL_ENTRIES)
+    elif not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"workdir {str(workdir)!r} has no checkpoints/: train there first "
+                         "(or give config.init_from to evaluate pretrained weights)")
+    else:
+        # The metrics JSON goes beside the checkpoint.
+        workdir_lib.check_entries(workdir, workdir_lib.EVAL_ENTRIES)
+        tag = results.eval_tag(workdir_lib.check_eval_config(workdir, config), config)
+        # Whatever its path:
+        workdir_lib.check_data_identity(workdir, config, identity, training=False)
+    model = task.build_model()
+    tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
+    abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    if (training and config.init_from and not workdir_lib.saved_steps(workdir)) or pretrained:
+        init_from_checks.check_init_from(config.init_from, abstract.params, task.patch_grid,
+                                  task.model_config, whole=pretrained)
+        workdir_lib.check_init_from_data(config, identity)
+    return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
+               pretrained, tag, identity)
+
+
+def print_main(run: Run, line: str) -> None:
+    if run.is_main:
+        print(line, flush=True)
