@@ -7,11 +7,15 @@ Paper scale (BERT-base, as in TUPE's and DeBERTa's comparisons): 12 layers × 76
 decoupled weight decay 0.01, gradient clipping at norm 1, dropout 0.1. GLUE fine-tuning: batch
 32, lr 2e-5, 3 epochs, 10% warmup, linear decay, weight decay 0.01.
 
-Schemes (``scheme`` argument): ``bert_a`` (learned absolute positions), ``bert_r`` (+ T5
-relative bias), ``tupe_a``, ``tupe_r`` (untied positions, no token types as in TUPE's
-fairseq code), ``bert_a_d`` (TUPE's ablation BERT-A-d: all four word/position terms with their
-own projections, [CLS] tied; TUPE's recipe otherwise), ``deberta`` (v1 disentangled attention,
-no absolute input positions, EMD for MLM, LayerNorm eps 1e-7).
+Schemes (``scheme`` argument): every text scheme of the scheme table
+(``posjax/models/schemes.py``), by its short alias where it has one: ``bert_a`` (learned
+absolute positions), ``bert_r`` (+ T5 relative bias), ``tupe_a``, ``tupe_r`` (untied
+positions, no token types as in TUPE's fairseq code), ``bert_a_d`` (TUPE's ablation BERT-A-d:
+all four word/position terms with their own projections, [CLS] tied; TUPE's recipe
+otherwise), ``deberta`` (v1 disentangled attention, no absolute input positions, EMD for MLM,
+LayerNorm eps 1e-7), ``deberta_v2`` (v3's settings: log buckets of half the span, shared
+position keys, LayerNorm'd relative table), ``rope``, ``alibi``, ``nope`` (BERT's recipe
+without the absolute table).
 
 Variants (``key=value`` items, ``configs/mlm_tupe_r.py:size=tiny``): MLM ``size`` (base, tiny)
 and ``seq`` (128, 512; base only); GLUE ``task`` and ``scheme``; both ``data_root`` (default
@@ -26,8 +30,7 @@ import ml_collections
 
 from posjax import config_defaults as defaults
 
-SCHEMES = {"bert_a": "bert_abs", "bert_r": "bert_rel", "tupe_a": "tupe_a", "tupe_r": "tupe_r",
-           "bert_a_d": "bert_abs_d", "deberta": "deberta"}
+SCHEMES = defaults.RECIPE_SCHEMES
 # Under config.data_root (``config_defaults.data_root``): the tiny variants' data.
 BERT_VOCAB = ("bert-base-uncased-vocab", "vocab.txt")
 WIKITEXT2_VALID = ("wikitext-2", "valid.txt")
@@ -42,8 +45,7 @@ GLUE_SINGLE_SENTENCE = ("cola", "sst2")       # the others are sentence pairs
 def text_model(scheme: str, size: str, max_length: int) -> dict:
     """Every TextConfig field of ``scheme`` at ``size`` ``base`` or ``tiny`` (position tables of
     ``max_length`` rows), so each can be overridden (``--config.model.remat=True``)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme {scheme!r} is unknown: choose one of {', '.join(SCHEMES)}")
+    row = defaults.recipe_scheme(scheme)
     if size == "base":
         # Paper scale runs on pods: one scanned layer compiles ~N times faster.
         dims = dict(hidden_size=768, num_heads=12, num_layers=12, mlp_dim=3072, scan_layers=True)
@@ -51,14 +53,18 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
         dims = dict(hidden_size=128, num_heads=4, num_layers=4, mlp_dim=512)
     else:
         raise ValueError(f"size {size!r} is unknown: choose base or tiny")
-    model = dict(position_scheme=SCHEMES[scheme], vocab_size=30522, **dims,
+    model = dict(position_scheme=row.name, vocab_size=30522, **dims,
                  max_position_embeddings=max_length, type_vocab_size=2, hidden_act="gelu",
                  layer_norm_eps=1e-12, dropout_rate=0.1, attention_dropout_rate=0.1)
-    if scheme.startswith("tupe") or scheme == "bert_a_d":
+    if row.untied:   # TUPE's fairseq recipe (BERT-A-d is its ablation)
         model.update(type_vocab_size=0, layer_norm_eps=1e-5)
-    if scheme == "deberta":
+    if row.disentangled:   # the official DeBERTa recipe
         model.update(type_vocab_size=0, layer_norm_eps=1e-7, position_biased_input=False,
                      max_relative_positions=max_length, pos_att_type=("c2p", "p2c"))
+    if "position_buckets" in row.fields:   # v3: 256 buckets over 512 positions
+        model.update(position_buckets=max_length // 2, share_att_key=True, norm_rel_ebd=True)
+    if row.input == "none" and not row.untied and not row.disentangled:
+        model.update(max_position_embeddings=0)   # RoPE, ALiBi, NoPE: no absolute table
     return defaults.text_model(**model)
 
 
@@ -110,7 +116,7 @@ def mlm_config(scheme: str, variant: str = "") -> ml_collections.ConfigDict:
                                 warmup_steps=10_000, b1=0.9, b2=0.999, eps=1e-6,
                                 weight_decay=0.01, grad_clip_norm=1.0)
         config.checkpoint.every_steps = 10_000
-    config.model["use_emd"] = scheme == "deberta"
+    config.model["use_emd"] = defaults.recipe_scheme(scheme).disentangled
     config.data = data
     return config
 

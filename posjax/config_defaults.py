@@ -21,6 +21,7 @@ import ml_collections
 
 from posjax.io_utils import local_path
 from posjax.models.config import TextConfig, ViTConfig
+from posjax.models.schemes import ALIASES, SCHEMES, TEXT_SCHEMES, Scheme
 
 DATA_ENV = "POSJAX_DATA"
 CONFIG_FILE = "config.json"   # a run's config, in its workdir
@@ -76,6 +77,20 @@ def model_defaults(config_class: type, **overrides: Any) -> dict[str, Any]:
 def vit_model(**overrides: Any) -> dict[str, Any]:
     """``model_defaults`` of ViTConfig."""
     return model_defaults(ViTConfig, **overrides)
+
+
+# The text recipes' scheme names (configs/mlm_<name>.py): each text scheme's short alias
+# (bert_a for bert_abs) or its name, in the scheme table's order.
+RECIPE_SCHEMES = tuple(SCHEMES[n].alias or n for n in TEXT_SCHEMES)
+
+
+def recipe_scheme(name: str) -> Scheme:
+    """The scheme table's row for a recipe's scheme name (an alias such as bert_a, or a text
+    scheme's own name); one ValueError listing the choices otherwise."""
+    full = ALIASES.get(name, name)
+    if full not in TEXT_SCHEMES:
+        raise ValueError(f"scheme {name!r} is unknown: choose one of {', '.join(RECIPE_SCHEMES)}")
+    return SCHEMES[full]
 
 
 def text_model(**overrides: Any) -> dict[str, Any]:

@@ -275,3 +275,38 @@ def test_bad_text_configs(shared_data):
         make_task(config).validate()
     with pytest.raises(ValueError, match="GLUE task 'squad' is unknown"):
         glue_config("squad", "tiny")
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "nope", "deberta_v2"])
+def test_todays_baselines_train_and_evaluate_at_twice_the_length(shared_data, tmp_path, scheme):
+    """The new schemes train through the MLM recipe; eval.py's length override evaluates a
+    relative scheme at 2L into its own result file (the run's own stays), while an absolute
+    table refuses it before anything is compiled, naming the field and why."""
+    config = tiny_mlm(shared_data, scheme)
+    if scheme == "deberta_v2":
+        config.model.update(max_relative_positions=32, position_buckets=16, use_emd=False,
+                            max_position_embeddings=0)
+    workdir = tmp_path / "run"
+    result = trainer.train(config, workdir)
+    assert np.isfinite(result.eval["loss"])
+    longer = tiny_mlm(shared_data, scheme)
+    longer.model.update(config.model.to_dict())
+    longer.data.max_seq_length = 64
+    extrapolated = evaluator.evaluate(longer, workdir)
+    assert np.isfinite(extrapolated["loss"]) and extrapolated["num_sequences"] > 0
+    files = sorted(p.name for p in (workdir / "checkpoints").glob("eval_*.json"))
+    assert any(name.endswith("_seq-64.json") for name in files), files
+    assert any(not name.endswith("_seq-64.json") for name in files), files
+
+
+def test_absolute_tables_refuse_evaluation_beyond_their_rows(shared_data, tmp_path):
+    config = tiny_mlm(shared_data, "bert_a")
+    trainer.train(config, tmp_path / "run")
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    longer = tiny_mlm(shared_data, "bert_a")
+    longer.data.max_seq_length = 64
+    with pytest.raises(ValueError, match=r"data.max_seq_length=64 exceeds model.max_position_"
+                       r"embeddings=32: position_scheme='bert_abs' reads an absolute position "
+                       r"table, which has no rows beyond 32"):
+        evaluator.evaluate(longer, tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before

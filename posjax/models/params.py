@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from posjax.models.layout import STACKED
+from posjax.models.schemes import scheme_fields
 
 Path = tuple[str, ...]
 Tree = dict[str, Any]
@@ -130,15 +131,10 @@ def first_layers(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...])
 
 
 # Fields that change what the same parameters compute, which their shapes cannot show: for
-# every model, and for the position schemes that read them.
+# every model, and for each position scheme the fields it reads (the scheme table's).
 SAME_FUNCTION_FIELDS = {
     "*": ("position_scheme", "hidden_act", "layer_norm_eps", "qkv_bias"),
-    "bert_rel": ("relative_buckets", "relative_max_distance"),
-    "tupe_a": ("tie_cls",),
-    "tupe_r": ("relative_buckets", "relative_max_distance", "tie_cls"),
-    "deberta": ("pos_att_type", "max_relative_positions", "position_biased_input"),
-    "deberta_v2": ("pos_att_type", "max_relative_positions", "position_buckets",
-                   "share_att_key", "norm_rel_ebd", "position_biased_input", "conv_act"),
+    **scheme_fields(),
 }
 
 

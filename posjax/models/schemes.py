@@ -99,3 +99,13 @@ def scheme_of(cfg: Any) -> Scheme:
 def scheme_fields() -> dict[str, tuple[str, ...]]:
     """{scheme: the config fields it reads}, for every scheme that reads any."""
     return {n: s.fields for n, s in SCHEMES.items() if s.fields}
+
+
+def absolute_rows(cfg: Any) -> int:
+    """Rows of the absolute position table a text model with ``cfg`` reads (its input table,
+    TUPE's untied table, DeBERTa's for a biased input or the EMD), 0 when it reads none: it
+    has no position beyond them."""
+    scheme = scheme_of(cfg)
+    reads = scheme.learned_input or scheme.untied or (
+        scheme.input == "optional" and (cfg.position_biased_input or cfg.use_emd))
+    return cfg.max_position_embeddings if reads else 0

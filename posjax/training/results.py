@@ -43,12 +43,19 @@ def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) ->
     """'' when ``config`` reads the data of the run's saved config (or there is none), else
     ``_data-<8 hex digits>`` of the data source it reads: eval.py with another data.path,
     data_dir, glue_dir, text_files or tokenizer writes its results beside the run's, not over
-    them (so does a source key the saved config lacks)."""
-    current = data_source(config_defaults.config_dict(config))
-    if saved is None or data_source(saved) == current:
+    them (so does a source key the saved config lacks); ``_seq-<N>`` when it reads text at
+    another length than the run's (``--config.data.max_seq_length=N``)."""
+    if saved is None:
         return ""
-    digest = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()
-    return f"_data-{digest[:8]}"
+    tag = ""
+    current = data_source(config_defaults.config_dict(config))
+    if data_source(saved) != current:
+        digest = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()
+        tag = f"_data-{digest[:8]}"
+    length = config.get("data", {}).get("max_seq_length")
+    if length is not None and length != saved.get("data", {}).get("max_seq_length", length):
+        tag += f"_seq-{length}"
+    return tag
 
 
 def evaluated_split(config: ml_collections.ConfigDict) -> str:

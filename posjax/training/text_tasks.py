@@ -34,6 +34,7 @@ from posjax.data import glue as glue_data
 from posjax.data import text as text_data
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
+from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, absolute_rows
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
 from posjax.training import flops
 from posjax.models import params as params_lib
@@ -56,10 +57,14 @@ def check_text_model(cfg: TextConfig, tokenizer: TextTokenizer, length: int,
         raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                          f"{tokenizer.vocab_size} ids ({tokenizer.path}): set model.vocab_size "
                          f">= {tokenizer.vocab_size}")
-    if cfg.max_position_embeddings and length > cfg.max_position_embeddings:
+    if absolute_rows(cfg) and length > absolute_rows(cfg):
+        relative = ", ".join(n for n in TEXT_SCHEMES if SCHEMES[n].relative)
         raise ValueError(f"{length_field}={length} exceeds model.max_position_embeddings="
-                         f"{cfg.max_position_embeddings}: shorten the sequences or enlarge "
-                         "the position table")
+                         f"{cfg.max_position_embeddings}: position_scheme="
+                         f"{cfg.position_scheme!r} reads an absolute position table, which has "
+                         f"no rows beyond {cfg.max_position_embeddings}; shorten the sequences "
+                         "or enlarge the position table (relative schemes without a table, "
+                         f"{relative}, run at any length)")
 
 
 def text_inputs(batch: Mapping[str, Array]) -> dict[str, Array]:

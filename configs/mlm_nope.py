@@ -1,0 +1,15 @@
+"""MLM pretraining of NoPE (no positions at all: the control).
+
+    python train.py --config configs/mlm_nope.py:size=tiny --workdir runs/mlm_nope_tiny   # CPU, WikiText-2
+    python train.py --config configs/mlm_nope.py --workdir /shared/mlm_nope             # base, seq 128
+    python train.py --config configs/mlm_nope.py:seq=512 --workdir ...                 # base, seq 512
+
+Recipes: configs/text_recipes.py (paper scale: 12x768, Adam 1e-4, 10k warmup, linear
+decay, weight decay 0.01, clip 1; the base variants read TFDS wikipedia: set
+--config.data.tokenizer and --config.data.data_dir).
+"""
+from configs.text_recipes import mlm_config
+
+
+def get_config(variant: str = ""):
+    return mlm_config("nope", variant)
