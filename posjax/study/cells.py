@@ -207,7 +207,9 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     mem = _stage(errors, "memory", runner.train_step_memory, config)
     if mem:
         record["memory"] = mem
-    if study.kind == "text":
+    if cell.seed > study.get("follow_up_seeds", 10**6):
+        pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
+    elif study.kind == "text":
         _text_follow_ups(root, study, config, cell, params, record, errors)
     else:
         _vit_follow_ups(root, study, config, cell, params, record, errors)
@@ -302,6 +304,9 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
                            at_size(config), p, transfer.get("max_batches", None))
                 if r is not None:
                     entry[method] = r
+        elif "tupe_bias" in params.get("encoder", {}):
+            entry["as_is"] = {"reason": "TUPE's untied table is tied to the grid: fine-tuned "
+                                        "column only (init_from resamples it)"}
         else:
             r = _stage(errors, f"transfer_{new}", runner.evaluate_params, at_size(config),
                        params, transfer.get("max_batches", None))

@@ -21,6 +21,9 @@ CLAIM_RULES = {
     "paired": ("the 95% paired t-interval of (a − b) over seeds lies entirely on the claimed "
                "side of 0: reproduced; entirely on the other side: not reproduced; covers 0 or "
                "n < 2: inconclusive"),
+    "same": ("the claim is that a and b do not differ: the 95% paired t-interval covers 0: "
+             "reproduced (no difference detectable at this n); excludes 0: not reproduced; "
+             "n < 2: inconclusive"),
     "convergence": ("the mean over seeds of (steps a needs to reach b's final mean held-out "
                     "loss) / (b's steps) is <= `at_most`: reproduced; >= 1 or never reached: "
                     "not reproduced; in between: inconclusive"),
@@ -136,7 +139,12 @@ def decide(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
         verdict = ("reproduced" if ratio <= claim.get("at_most", 0.5)
                    else "not reproduced" if ratio >= 1 else "inconclusive")
         return {**out, "measured": f"steps ratio {ratio:.2f}", "ratio": ratio, "verdict": verdict}
-    p = stats.paired(seeds_of(groups[a], claim["metric"]), seeds_of(groups[b], claim["metric"]))
+    metric_b = claim.get("metric_b", claim["metric"])
+    p = stats.paired(seeds_of(groups[a], claim["metric"]), seeds_of(groups[b], metric_b))
+    if kind == "same":
+        verdict = ("inconclusive" if p["n"] < 2 else
+                   "not reproduced" if p["distinguishable"] else "reproduced")
+        return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
     sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
     verdict = "inconclusive"
     if p["n"] >= 2:
@@ -145,9 +153,13 @@ def decide(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
             verdict = "reproduced"
         elif max(low, high) < 0:
             verdict = "not reproduced"
-    measured = (f"{claim['metric']}: {a} − {b} = {p['mean']:+.4f} "
-                f"[{p['low']:+.4f}, {p['high']:+.4f}] (n={p['n']})")
-    return {**out, "measured": measured, "paired": p, "verdict": verdict}
+    return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
+
+
+def _measured(claim: dict[str, Any], p: dict[str, Any]) -> str:
+    what = claim["metric"] + (f" vs {claim['metric_b']}" if claim.get("metric_b") else "")
+    return (f"{what}: {claim['a']} − {claim['b']} = {p['mean']:+.4f} "
+            f"[{p['low']:+.4f}, {p['high']:+.4f}] (n={p['n']})")
 
 
 # ----------------------------------------------------------------------------- plots

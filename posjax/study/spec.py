@@ -198,9 +198,9 @@ def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.Config
             if claim.get(side) not in names:
                 problems.append(f"study.claims[{i}].{side}={claim.get(side)!r} is not a cell "
                                 f"name: use one of {', '.join(names)}")
-        if claim.get("rule", "paired") not in ("paired", "convergence"):
-            problems.append(f"study.claims[{i}].rule={claim.get('rule')!r}: use 'paired' or "
-                            "'convergence'")
+        if claim.get("rule", "paired") not in ("paired", "same", "convergence"):
+            problems.append(f"study.claims[{i}].rule={claim.get('rule')!r}: use 'paired', "
+                            "'same' or 'convergence'")
     if problems:
         raise StudyConfigError("the study config cannot run:\n  " + "\n  ".join(problems))
     cells.sort(key=lambda c: (c.seed, names[c.name]))
