@@ -98,9 +98,9 @@ def get_config(variant: str = ""):
     s.extrapolation = ml_collections.ConfigDict({"factors": [2, 4], "max_batches": 4})
     s.synthetic = ml_collections.ConfigDict({
         "tasks": ["shift", "reverse", "count"], "length": 32, "factors": [1, 2, 4],
-        "overrides": overrides({"num_steps": 100, "batch_size": 32, "eval_every_steps": 50,
-                                "log_every_steps": 50, "checkpoint.every_steps": 100,
-                                "optimizer.warmup_steps": 10, "optimizer.learning_rate": 1e-3})})
+        "overrides": overrides({"num_steps": 300, "batch_size": 16, "eval_every_steps": 100,
+                                "log_every_steps": 50, "checkpoint.every_steps": 300,
+                                "optimizer.warmup_steps": 30, "optimizer.learning_rate": 2e-3})})
     s.analysis = True
     if variant == "tiny":
         s.seeds = 2

@@ -3,15 +3,17 @@ from results/ only), bad study configs, the statistics and the synthetic data.""
 import json
 import math
 import pathlib
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from posjax.study import cells as cells_lib
-from posjax.study import report, runner, stats, synthetic
+from jax_env import xla_flags
+from posjax.study import report, stats, synthetic
 from posjax.study.__main__ import main
-from posjax.study.grid import run_grid
 from posjax.study.spec import StudyConfigError, check_study, load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -120,22 +122,54 @@ def _check_common(rep, manifest_cells, runnable):
                 c["measured"].replace("+", "")
 
 
-def test_tiny_studies_end_to_end(tmp_path, capsys):
-    # --- text: one interrupted cell resumes, an invalid cell fails alone, then the report
+# The grids run in one subprocess with one CPU device (the test processes simulate 8, which
+# would shard every tiny step 8 ways): an interrupted cell first, then the text grid with a
+# cell invalid at train time, a rerun, then the image study through the CLI.
+GRIDS = """
+import json, pathlib, sys
+import jax
+from posjax.study import cells as cells_lib, runner
+from posjax.study.__main__ import main
+from posjax.study.grid import run_grid
+from posjax.study.spec import check_study, load_config_file
+tmp = pathlib.Path(sys.argv[1])
+jax.config.update("jax_compilation_cache_dir", str(tmp / "jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+text = tmp / "text"
+study = load_config_file(sys.argv[2] + ":tiny")
+study.cells.append(dict(name="broken", scheme="bert_abs",
+                        train={"optimizer.warmup_steps": 10**6}))   # invalid at train time
+base, cells = check_study(study)
+first = cells[0]
+runner.train(cells_lib.main_config(base, first), cells_lib.cell_dir(text, first.id),
+             stop_after=3)                                           # an interrupted cell
+lines = []
+run_grid(study, text, log=lines.append)
+again = run_grid(study, text, log=lines.append)
+json.dump({"lines": lines, "again": [r["cell"] for r in again]}, open(tmp / "log.json", "w"))
+from posjax.study import report
+report.build(text)
+sys.exit(main(["--config", sys.argv[3] + ":tiny", "--workdir", str(tmp / "vit")]))
+"""
+
+
+def test_tiny_studies_end_to_end(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", GRIDS, str(tmp_path), TEXT, VIT], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout + done.stderr           # the interrupted cell resumed
     text = tmp_path / "text"
-    study = load_config_file(TEXT + ":tiny")
-    study.cells.append(dict(name="broken", scheme="bert_abs",
-                            train={"optimizer.warmup_steps": 10**6}))   # invalid at train time
-    base, cells = check_study(study)
-    first = cells[0]
-    runner.train(cells_lib.main_config(base, first), cells_lib.cell_dir(text, first.id),
-                 stop_after=3)                                   # an interrupted cell
-    lines = []
-    run_grid(study, text, log=lines.append)
+    log = json.loads((tmp_path / "log.json").read_text())
+    lines = log["lines"]
     assert any("broken-s1 FAILED" in line and "warmup_steps" in line for line in lines)
-    assert "resuming from" in capsys.readouterr().out
-    rec = json.loads((text / "results" / f"{first.id}.json").read_text())
-    curve = (text / "results" / f"{first.id}_curve.csv").read_text().splitlines()
+    # rerun: everything finished is skipped (the broken cells are retried and fail again)
+    assert log["again"] == ["broken-s1", "broken-s2"]
+    first = "bert_abs-s1"
+    rec = json.loads((text / "results" / f"{first}.json").read_text())
+    curve = (text / "results" / f"{first}_curve.csv").read_text().splitlines()
     assert curve[0].startswith("step,train_loss") and len(curve) >= 3
     assert rec["status"] == "ok" and _finite(rec["final"]["loss"])
     rep = report.build(text)
@@ -157,9 +191,6 @@ def test_tiny_studies_end_to_end(tmp_path, capsys):
     for word in ("broken-s2 | bert_abs | failed", "not distinguishable", "## Claims",
                  "the table has no rows beyond L", "## Cost"):
         assert word in md, word
-    # rerun: everything finished is skipped (the broken cell is retried and fails again)
-    again = run_grid(study, text, log=lines.append)
-    assert [r["name"] for r in again] == ["broken", "broken"]
     # the report from results/ alone (as merged from other machines)
     merged = tmp_path / "merged"
     shutil.copytree(text / "results", merged / "results")
@@ -170,7 +201,6 @@ def test_tiny_studies_end_to_end(tmp_path, capsys):
 
     # --- image: NoPE pending ("scheme not available"), resolution transfer, similarity maps
     vit = tmp_path / "vit"
-    assert main(["--config", VIT + ":tiny", "--workdir", str(vit)]) == 0
     rep = json.loads((vit / "report.json").read_text())
     manifest = json.loads((vit / "results" / "study.json").read_text())
     _check_common(rep, manifest["cells"], ("vit", "deberta_v2"))

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only (re)write the report")
     parser.add_argument("--cell", default="", help="run only this cell id or entry name")
     args = parser.parse_args(argv)
-    root = pathlib.Path(args.workdir)
+    root = pathlib.Path(args.workdir).absolute()
     if not args.report and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # Seeds 2.. of a cell run the programs seed 1 compiled: keep them (under cells/).
         import jax
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except StudyConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:   # SIGTERM / Ctrl-C: the running cell saved a checkpoint
+        print(f"[study] stopped ({e}); rerun the same command to resume", file=sys.stderr)
+        return 130
     report.build(root)
     print(f"[study] report written to {root / 'report.md'}")
     return 0

@@ -202,12 +202,13 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     rdir.mkdir(parents=True, exist_ok=True)
     write_curve(rdir / f"{cell.id}_curve.csv", runner.curve(records))
     errors: dict[str, str] = {}
-    params = runner.load_params(workdir)
-    record["params"] = runner.param_count(params)
+    params = _stage(errors, "params", runner.load_params, workdir)
+    if params is not None:
+        record["params"] = runner.param_count(params)
     mem = _stage(errors, "memory", runner.train_step_memory, config)
     if mem:
         record["memory"] = mem
-    if cell.seed > study.get("follow_up_seeds", 10**6):
+    if params is None or cell.seed > study.get("follow_up_seeds", 10**6):
         pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
     elif study.kind == "text":
         _text_follow_ups(root, study, config, cell, params, record, errors)

@@ -64,6 +64,7 @@ def load_params(workdir: pathlib.Path) -> dict[str, Any]:
 
     from posjax.training import checkpoint as ckpt_lib
 
+    workdir = pathlib.Path(workdir).absolute()   # orbax reads absolute paths only
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
                    if p.name.isdigit() and (p / "state").is_dir())
     path = workdir / "checkpoints" / str(steps[-1]) / "state"
