@@ -441,8 +441,8 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
     for name, c in rep["cost"].items():
         mem = c["peak_bytes"]
         mem_text = "—" if not mem["n"] else f"{mem['mean'] / 2**20:.1f}"
-        tr = "—" if c["time_ratio"] is None else f"{c['time_ratio']:.2f}"
-        mr = "—" if c["memory_ratio"] is None else f"{c['memory_ratio']:.2f}"
+        tr = "—" if not _number(c["time_ratio"]) else f"{c['time_ratio']:.2f}"
+        mr = "—" if not _number(c["memory_ratio"]) else f"{c['memory_ratio']:.2f}"
         lines.append(f"| {name} | {fmt(c['step_time_s'], 3)} | {tr} | {mem_text} | {mr} | "
                      f"{c['params']} | {c['same_process']} |")
     lines += ["", "Peak step memory: XLA's compiled forward+backward of one batch (temporaries "
@@ -471,6 +471,10 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
     lines += ["", "Rules: " + "; ".join(f"**{k}**: {v}" for k, v in CLAIM_RULES.items()), ""]
     lines += ["## Figures", ""] + [f"![{f}]({f})" for f in rep["figures"]]
     return "\n".join(lines) + "\n"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _length_table(title: str, table: dict[str, Any]) -> list[str]:
