@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from posjax.study import cells as cells_lib
-from posjax.study.spec import Cell, baseline, check_study
+from posjax.study.spec import Cell, StudyConfigError, baseline, check_study
 
 MANIFEST = "study.json"
 
@@ -73,7 +73,7 @@ def run_grid(study: Any, root: pathlib.Path, only: str = "", log=print) -> list[
     base, cells = check_study(study)
     chosen = [c for c in cells if not only or only in (c.id, c.name)]
     if only and not chosen:
-        raise ValueError(f"--cell {only!r} is not a cell of this study: use one of "
+        raise StudyConfigError(f"--cell {only!r} is not a cell of this study: use one of "
                          f"{', '.join(c.id for c in cells)} (or an entry name)")
     cells_lib.write_json(cells_lib.results_dir(root) / MANIFEST, manifest(study, cells))
     records = []
