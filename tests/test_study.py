@@ -215,3 +215,15 @@ def test_tiny_studies_end_to_end(tmp_path):
     verdicts = {c["claim"]: c for c in rep["claims"]}
     assert any(c["verdict"] == "inconclusive" and "nope" in c["measured"]
                for c in verdicts.values())
+
+
+def test_study_overrides_from_the_command_line():
+    from posjax.study.__main__ import apply_overrides
+
+    study = load_config_file(TEXT)
+    apply_overrides(study, ["--config.seeds=5", "--config.glue.tasks=['sst2']",
+                            "--config.title=paper scale"])
+    assert study.seeds == 5 and list(study.glue.tasks) == ["sst2"]
+    assert study.title == "paper scale"
+    with pytest.raises(StudyConfigError, match="no key 'sedes'"):
+        apply_overrides(study, ["--config.sedes=3"])

@@ -8,9 +8,29 @@ report; ``--cell`` runs one cell (or every seed of one entry), e.g. on another h
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import pathlib
 import sys
+from typing import Any
+
+
+def apply_overrides(study: Any, flags: list[str]) -> None:
+    """``--config.a.b=VALUE`` flags onto the study config (VALUE a Python literal, else a
+    string): paper scale is overrides, e.g. ``--config.base=configs/mlm_bert_a.py
+    --config.base_overrides="()" --config.seeds=5``."""
+    from posjax.study.spec import StudyConfigError, set_dotted
+
+    for flag in flags:
+        key, _, text = flag[len("--config."):].partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        try:
+            set_dotted(study, key, value)
+        except KeyError:
+            raise StudyConfigError(f"{flag}: the study config has no key {key!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the study's directory")
     parser.add_argument("--report", action="store_true", help="only (re)write the report")
     parser.add_argument("--cell", default="", help="run only this cell id or entry name")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    bad = [a for a in extra if not a.startswith("--config.") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (study overrides are "
+                     "--config.KEY=VALUE)")
     root = pathlib.Path(args.workdir).absolute()
     if not args.report and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # Seeds 2.. of a cell run the programs seed 1 compiled: keep them (under cells/).
@@ -43,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from posjax.study.grid import run_grid
     try:
         study = load_config_file(args.config)
+        apply_overrides(study, extra)
         run_grid(study, root, args.cell)
     except StudyConfigError as e:
         print(f"error: {e}", file=sys.stderr)
