@@ -9,7 +9,7 @@ the cell goes on; a main run that fails makes the cell ``failed``.
 
 Results: ``results/<cell>.json`` (final metrics, step time, memory, params, config summary,
 follow-ups) and ``results/<cell>_curve.csv`` (step, train loss, held-out metrics), and
-``results/<cell>_analysis.npz`` (position analyses of seed 1). The report reads only these.
+``results/<cell>_analysis.json`` (position analyses of seed 1). The report reads only these.
 """
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (tuple, np.ndarray)):
         return list(x)
     return str(x)
+
+
+def write_analysis(root: pathlib.Path, cell_id: str, arrays: dict[str, np.ndarray]) -> None:
+    """``results/<cell>_analysis.json``: arrays as nested lists (5 significant digits)."""
+    def plain(a: np.ndarray) -> Any:
+        a = np.asarray(a)
+        return a.tolist() if a.dtype.kind in "US" else np.vectorize(
+            lambda x: float(f"{x:.5g}"))(a).tolist()
+    write_json(results_dir(root) / f"{cell_id}_analysis.json",
+               {k: plain(v) for k, v in arrays.items()})
 
 
 def main_config(base: ml_collections.ConfigDict, cell: Cell) -> ml_collections.ConfigDict:
@@ -269,7 +279,7 @@ def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: 
         arrays["tupe_maps"] = maps
         arrays["tupe_labels"] = np.array(labels)
     if arrays:
-        np.savez_compressed(results_dir(root) / f"{cell.id}_analysis.npz", **arrays)
+        write_analysis(root, cell.id, arrays)
 
 
 def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
@@ -332,4 +342,4 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
         g = size // (patch * stem_stride(tuple(config.model.get("resnet_layers", ()))))
         table = np.asarray(params["pos_embedding"])
         sim = analysis.vit_similarity(table, (g, g), table.shape[1] - g * g)
-        np.savez_compressed(results_dir(root) / f"{cell.id}_analysis.npz", vit_similarity=sim)
+        write_analysis(root, cell.id, {"vit_similarity": sim})

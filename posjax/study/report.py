@@ -359,6 +359,18 @@ def _transfer(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def read_analysis(root: pathlib.Path, cell: str) -> dict[str, np.ndarray] | None:
+    """``results/<cell>_analysis.json`` (or the .npz of earlier versions) as arrays."""
+    path = root / "results" / f"{cell}_analysis.json"
+    if path.is_file():
+        return {k: np.asarray(v) for k, v in json.loads(path.read_text()).items()}
+    path = path.with_suffix(".npz")
+    if path.is_file():
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    return None
+
+
 def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: dict[str, Any],
              kind: str) -> None:
     keys = ("eval_loss", "eval_accuracy")
@@ -366,20 +378,19 @@ def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: d
         rep["figures"].append(p.name)
     for rs in groups.values():
         for r in ok(rs):
-            path = root / "results" / f"{r['cell']}_analysis.npz"
-            if not path.is_file():
+            data = read_analysis(root, r["cell"])
+            if data is None:
                 continue
-            data = np.load(path)
-            terms = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith("bert_terms/")}
+            terms = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith("bert_terms/")}
             if terms:
                 rep["figures"].append(plot_terms(terms, root / f"tupe_terms_{r['name']}.png").name)
-            if "tupe_maps" in data.files:
+            if "tupe_maps" in data:
                 labels = [str(x) for x in data["tupe_labels"]]
                 rep.setdefault("head_labels", {})[r["name"]] = labels
                 rep["figures"].append(plot_heads(
                     data["tupe_maps"], labels, f"{r['name']}: positional attention per head "
                     f"(rule: {HEAD_RULE})", root / f"tupe_heads_{r['name']}.png").name)
-            if "vit_similarity" in data.files:
+            if "vit_similarity" in data:
                 rep["figures"].append(plot_similarity(
                     data["vit_similarity"], root / f"position_similarity_{r['name']}.png").name)
 
