@@ -1,0 +1,85 @@
+"""Position analyses of trained params (small numpy arrays the report plots).
+
+* ``bert_terms``: BERT-A's first-layer logit split into TUPE's four correlations (TUPE Fig. 2):
+  with word rows w_i and position rows p_i (the embedding tables, before LayerNorm, no token
+  types) and layer 0's W_Q, W_K (biases left out), per head
+  (w_iW_Q)(w_jW_K)ᵀ, (w_iW_Q)(p_jW_K)ᵀ, (p_iW_Q)(w_jW_K)ᵀ, (p_iW_Q)(p_jW_K)ᵀ, all / √d,
+  averaged over heads.
+* ``tupe_position_maps``: TUPE's per-head positional logits (its ``tupe_bias`` module applied to
+  its own params), softmax over keys, and a label per head (``head_label``).
+* ``vit_similarity``: cosine similarity of each learned patch position row with every other
+  (ViT Fig. 7).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+HEAD_RULE = ("previous: mean attention on key i-1 >= 0.4 (and >= on i+1); next: on key i+1 >= "
+             "0.4; local: mass within |i-j| <= 3 >= 0.5; global: normalised row entropy >= "
+             "0.9; broad: anything else")
+
+
+def bert_terms(params: dict[str, Any], token_ids: np.ndarray, num_heads: int) -> dict[str, np.ndarray]:
+    """TUPE Fig. 2's four (L, L) first-layer terms for ``token_ids`` (L,)."""
+    enc = params["encoder"]
+    w = np.asarray(enc["embeddings"]["word_embeddings"]["embedding"])[token_ids]
+    p = np.asarray(enc["embeddings"]["position_embeddings"]["embedding"])[: len(token_ids)]
+    att = enc["encoder"]["layer_0"]["attention"]
+    wq, wk = np.asarray(att["query"]["kernel"]), np.asarray(att["key"]["kernel"])   # (H, h, d)
+    d = wq.shape[-1]
+
+    def term(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        q, k = np.einsum("lH,Hhd->hld", a, wq), np.einsum("lH,Hhd->hld", b, wk)
+        return np.einsum("hqd,hkd->qk", q, k) / (num_heads * np.sqrt(d))
+
+    return {"word-word": term(w, w), "word-pos": term(w, p), "pos-word": term(p, w),
+            "pos-pos": term(p, p)}
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    z = np.exp(x - x.max(axis, keepdims=True))
+    return z / z.sum(axis, keepdims=True)
+
+
+def head_label(attention: np.ndarray) -> str:
+    """One of global/local/broad/previous/next for an (L, L) row-stochastic map (``HEAD_RULE``)."""
+    n = attention.shape[0]
+    i = np.arange(n)
+    prev = float(np.mean(attention[i[1:], i[1:] - 1]))
+    nxt = float(np.mean(attention[i[:-1], i[:-1] + 1]))
+    near = np.abs(i[:, None] - i[None, :]) <= 3
+    local = float(np.mean(np.sum(attention * near, -1)))
+    entropy = -np.sum(attention * np.log(attention + 1e-12), -1) / np.log(n)
+    if prev >= 0.4 and prev >= nxt:
+        return "previous"
+    if nxt >= 0.4:
+        return "next"
+    if local >= 0.5:
+        return "local"
+    if float(np.mean(entropy)) >= 0.9:
+        return "global"
+    return "broad"
+
+
+def tupe_position_maps(params: dict[str, Any], cfg: Any, length: int
+                       ) -> tuple[np.ndarray, list[str]]:
+    """((h, L, L) softmax of TUPE's positional logits for tokens 1..L-1 (the [CLS] row and
+    column dropped), head labels)."""
+    from posjax.layers.position_bias import TupePositionBias
+
+    module = TupePositionBias(cfg.num_heads, cfg.head_dim, cfg.max_position_embeddings,
+                              eps=cfg.layer_norm_eps, untie_cls=not cfg.tie_cls)
+    tree = params["encoder"]["encoder"]["tupe_bias"]
+    tree = {k: v for k, v in tree.items() if k in ("position_embeddings", "norm", "query", "key")}
+    bias = np.asarray(module.apply({"params": tree}, length)["bias"])[:, 1:, 1:]
+    maps = softmax(bias, -1)
+    return maps, [head_label(m) for m in maps]
+
+
+def vit_similarity(table: np.ndarray, grid: tuple[int, int], prefix: int) -> np.ndarray:
+    """(gh, gw, gh, gw) cosine similarities of the grid rows of a (1, P + gh·gw, H) table."""
+    rows = np.asarray(table).reshape(-1, np.shape(table)[-1])[prefix:]
+    rows = rows / (np.linalg.norm(rows, axis=-1, keepdims=True) + 1e-12)
+    return (rows @ rows.T).reshape(*grid, *grid)

@@ -1,0 +1,345 @@
+"""Run one cell of a study (its train.py workdirs) and write its results files.
+
+Workdirs (each an ordinary train.py workdir: it resumes, eval.py works on it):
+``cells/<cell>/`` the main run (MLM or image classification), and for its follow-ups
+``cells/<cell>+glue_<task>/`` (GLUE from the main run's encoder, ``init_from``),
+``cells/<cell>+synth_<task>/`` (synthetic position task), ``cells/<cell>+ft<px>/`` (ViT
+fine-tuned at another resolution). A follow-up that fails is recorded in ``stage_errors`` and
+the cell goes on; a main run that fails makes the cell ``failed``.
+
+Results: ``results/<cell>.json`` (final metrics, step time, memory, params, config summary,
+follow-ups) and ``results/<cell>_curve.csv`` (step, train loss, held-out metrics), and
+``results/<cell>_analysis.json`` (position analyses of seed 1). The report reads only these.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import socket
+import time
+import traceback
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from posjax.study import analysis, runner, synthetic
+from posjax.study.spec import Cell, load_config_file, set_dotted
+
+RELATIVE_READERS = ("deberta", "deberta_v2")   # no absolute table unless position_biased_input
+
+
+def cell_dir(root: pathlib.Path, cell_id: str, stage: str = "") -> pathlib.Path:
+    return root / "cells" / (cell_id + (f"+{stage}" if stage else ""))
+
+
+def results_dir(root: pathlib.Path) -> pathlib.Path:
+    return root / "results"
+
+
+def results_file(root: pathlib.Path, cell_id: str) -> pathlib.Path:
+    return results_dir(root) / f"{cell_id}.json"
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=_jsonable))
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, (tuple, np.ndarray)):
+        return list(x)
+    return str(x)
+
+
+def write_analysis(root: pathlib.Path, cell_id: str, arrays: dict[str, np.ndarray]) -> None:
+    """``results/<cell>_analysis.json``: arrays as nested lists (5 significant digits)."""
+    def plain(a: np.ndarray) -> Any:
+        a = np.asarray(a)
+        return a.tolist() if a.dtype.kind in "US" else np.vectorize(
+            lambda x: float(f"{x:.5g}"))(a).tolist()
+    write_json(results_dir(root) / f"{cell_id}_analysis.json",
+               {k: plain(v) for k, v in arrays.items()})
+
+
+def main_config(base: ml_collections.ConfigDict, cell: Cell) -> ml_collections.ConfigDict:
+    config = base.copy_and_resolve_references()
+    with config.ignore_type():
+        config.model = dict(cell.model)
+        config.seed = cell.seed
+    for key, value in cell.train.items():
+        set_dotted(config, key, value)
+    return config
+
+
+def _override(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        set_dotted(config, key, value)
+
+
+def glue_config(study: Any, main: ml_collections.ConfigDict, task: str, init_from: pathlib.Path
+                ) -> ml_collections.ConfigDict:
+    config = load_config_file(f"{study.glue.config}:{task}")
+    with config.ignore_type():
+        config.model = {**dict(main.model), "use_emd": False}
+        config.init_from = str(init_from)
+        config.seed = main.seed
+    _override(config, dict(study.glue.get("overrides", {})))
+    return config
+
+
+def synth_config(study: Any, main: ml_collections.ConfigDict, task: str, length: int
+                 ) -> ml_collections.ConfigDict:
+    """The main run's model and optimizer on a synthetic task of sequences of ``length``."""
+    config = main.copy_and_resolve_references()
+    data = synthetic.default_data_config(task, length)
+    model = dict(main.model)
+    model["vocab_size"] = synthetic.vocab_size(data)
+    if model.get("max_position_embeddings", 0):
+        model["max_position_embeddings"] = length
+    if model["position_scheme"] in RELATIVE_READERS:
+        model["max_relative_positions"] = length
+    with config.ignore_type():
+        config.task = synthetic.PositionSynth.name
+        config.data = data
+        config.model = model
+    _override(config, dict(study.synthetic.get("overrides", {})))
+    return config
+
+
+def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.ConfigDict:
+    """``config`` reading held-out sequences of ``length`` tokens."""
+    out = config.copy_and_resolve_references()
+    out.data.max_seq_length = length
+    if not table_rows(dict(out.model)):   # a table no layer reads: no rows to fit
+        out.model.max_position_embeddings = 0
+    if "length" in out.data:
+        out.data.length = length
+    return out
+
+
+def table_rows(model: dict[str, Any]) -> int:
+    """Positions the model can read: its absolute table's rows, or 0 for none (unbounded)."""
+    scheme = model["position_scheme"]
+    reads_table = (scheme not in RELATIVE_READERS or model.get("position_biased_input", True)
+                   or model.get("use_emd", False))
+    return int(model.get("max_position_embeddings", 0)) if reads_table else 0
+
+
+def length_results(config: ml_collections.ConfigDict, params: Any, length: int,
+                   factors: list[int], max_batches: int | None) -> dict[str, Any]:
+    """Held-out metrics at length·f for each factor; beyond the table: the reason."""
+    rows = table_rows(dict(config.model))
+    out: dict[str, Any] = {}
+    for f in factors:
+        n = length * f
+        if rows and n > rows:
+            out[str(f)] = {"length": n, "reason": f"the table has no rows beyond L "
+                                                  f"(max_position_embeddings={rows})"}
+            continue
+        out[str(f)] = {"length": n, **runner.evaluate_params(at_length(config, n), params,
+                                                             max_batches)}
+    return out
+
+
+def _config_summary(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    m = config.model
+    keys = ("position_scheme", "hidden_size", "num_layers", "num_heads", "mlp_dim",
+            "max_position_embeddings", "use_emd", "pos_att_type", "tie_cls", "image_size",
+            "patch_size", "resnet_layers", "pooling", "position_biased_input")
+    return {"model": {k: m[k] for k in keys if k in m}, "task": config.task,
+            "num_steps": config.num_steps, "batch_size": config.batch_size,
+            "learning_rate": config.optimizer.learning_rate,
+            "seq_len": config.data.get("max_seq_length", None)}
+
+
+def write_curve(path: pathlib.Path, rows: list[dict[str, float]]) -> None:
+    keys = ["step", "train_loss"] + sorted({k for r in rows for k in r} - {"step", "train_loss"})
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in keys})
+
+
+def _stage(errors: dict[str, str], name: str, fn, *args) -> Any:
+    """``fn(*args)``; an exception is recorded under ``name`` (None returned)."""
+    try:
+        return fn(*args)
+    except Exception as e:   # noqa: BLE001 - a follow-up failure must not end the grid
+        errors[name] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _train_stage(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+    done = runner.finished_eval(workdir, int(config.num_steps))
+    if done is None:
+        result = runner.train(config, workdir)
+        if result.preempted:
+            raise KeyboardInterrupt(f"{workdir} stopped at step {result.step}")
+        done = dict(result.eval)
+    return {k: v for k, v in done.items() if k not in ("step", "split")}
+
+
+def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, cell: Cell
+             ) -> dict[str, Any]:
+    """Train every stage of ``cell`` (resuming), write its results files, return the record."""
+    record: dict[str, Any] = {"cell": cell.id, "name": cell.name, "seed": cell.seed,
+                              "scheme": cell.scheme, "kind": study.kind, "status": "ok",
+                              "host": socket.gethostname(), "pid": os.getpid()}
+    config = main_config(base, cell)
+    record["config"] = _config_summary(config)
+    workdir = cell_dir(root, cell.id)
+    started = time.time()
+    try:
+        record["final"] = _train_stage(config, workdir)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:   # noqa: BLE001 - reported as a failed cell, the grid goes on
+        record.update(status="failed", error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc(limit=4)[-2000:])
+        write_json(results_file(root, cell.id), record)
+        return record
+    records = runner.metrics(workdir)
+    record["step_time_s"] = runner.step_time(records)
+    rdir = results_dir(root)
+    rdir.mkdir(parents=True, exist_ok=True)
+    write_curve(rdir / f"{cell.id}_curve.csv", runner.curve(records))
+    errors: dict[str, str] = {}
+    params = _stage(errors, "params", runner.load_params, workdir)
+    if params is not None:
+        record["params"] = runner.param_count(params)
+    mem = _stage(errors, "memory", runner.train_step_memory, config)
+    if mem:
+        record["memory"] = mem
+    if params is None or cell.seed > study.get("follow_up_seeds", 10**6):
+        pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
+    elif study.kind == "text":
+        _text_follow_ups(root, study, config, cell, params, record, errors)
+    else:
+        _vit_follow_ups(root, study, config, cell, params, record, errors)
+    record["stage_errors"] = errors
+    record["wall_s"] = time.time() - started
+    write_json(results_file(root, cell.id), record)
+    return record
+
+
+def _text_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
+                     cell: Cell, params: Any, record: dict[str, Any], errors: dict[str, str]
+                     ) -> None:
+    length = int(config.data.max_seq_length)
+    extra = study.get("extrapolation", {})
+    if extra.get("factors"):
+        record["extrapolation"] = _stage(
+            errors, "extrapolation", length_results, config, params, length,
+            [1, *extra.factors], extra.get("max_batches", None))
+    record["glue"] = {}
+    for task in study.get("glue", {}).get("tasks", []):
+        def glue(task=task):
+            c = glue_config(study, config, task, cell_dir(root, cell.id))
+            return _train_stage(c, cell_dir(root, cell.id, f"glue_{task}"))
+        if (r := _stage(errors, f"glue_{task}", glue)) is not None:
+            record["glue"][task] = r
+    synth = study.get("synthetic", {})
+    record["synthetic"] = {}
+    for task in synth.get("tasks", []):
+        def run_synth(task=task):
+            c = synth_config(study, config, task, int(synth.length))
+            wd = cell_dir(root, cell.id, f"synth_{task}")
+            _train_stage(c, wd)
+            return length_results(c, runner.load_params(wd), int(synth.length),
+                                  list(synth.get("factors", [1, 2, 4])), None)
+        if (r := _stage(errors, f"synth_{task}", run_synth)) is not None:
+            record["synthetic"][task] = r
+    if cell.seed == 1 and study.get("analysis", True):
+        _stage(errors, "analysis", _text_analysis, root, config, cell, params)
+
+
+def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: Cell,
+                   params: Any) -> None:
+    from posjax.models.config import TextConfig
+
+    model = TextConfig.from_dict(dict(config.model))
+    length = min(64, int(config.data.max_seq_length))
+    arrays: dict[str, np.ndarray] = {}
+    if model.position_scheme == "bert_abs":
+        task, _ = runner.build(config)
+        batch = next(iter(task.make_pipeline("test", 1, 0, False, 0, 1).dataset))
+        ids = np.asarray(batch["input_ids"][0, :length])
+        for k, v in analysis.bert_terms(params, ids, model.num_heads).items():
+            arrays[f"bert_terms/{k}"] = v
+    if model.position_scheme in ("tupe_a", "tupe_r"):
+        maps, labels = analysis.tupe_position_maps(params, model, length)
+        arrays["tupe_maps"] = maps
+        arrays["tupe_labels"] = np.array(labels)
+    if arrays:
+        write_analysis(root, cell.id, arrays)
+
+
+def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
+                    cell: Cell, params: Any, record: dict[str, Any], errors: dict[str, str]
+                    ) -> None:
+    from posjax.layers.positions import resample_position_table
+
+    transfer = study.get("transfer", {})
+    size = int(config.model.image_size if isinstance(config.model.image_size, int)
+               else config.model.image_size[0])
+    record["transfer"] = {}
+    for new in transfer.get("sizes", []):
+        def at_size(c: ml_collections.ConfigDict, n: int = new) -> ml_collections.ConfigDict:
+            out = c.copy_and_resolve_references()
+            with out.ignore_type():
+                out.model.image_size = n
+                out.data.image_size = n
+            return out
+
+        entry: dict[str, Any] = {}
+        if "pos_embedding" in params:
+            patch = config.model.patch_size
+            patch = patch if isinstance(patch, int) else patch[0]
+            from posjax.models.config import stem_stride
+            stride = patch * stem_stride(tuple(config.model.get("resnet_layers", ())))
+            old, grid = size // stride, new // stride
+            prefix = params["pos_embedding"].shape[1] - old * old
+            for method in transfer.get("methods", ["bilinear", "bicubic"]):
+                table = np.asarray(resample_position_table(params["pos_embedding"], (old, old),
+                                                           (grid, grid), prefix, method))
+                p = {**params, "pos_embedding": table}
+                r = _stage(errors, f"transfer_{new}_{method}", runner.evaluate_params,
+                           at_size(config), p, transfer.get("max_batches", None))
+                if r is not None:
+                    entry[method] = r
+        elif "tupe_bias" in params.get("encoder", {}):
+            entry["as_is"] = {"reason": "TUPE's untied table is tied to the grid: fine-tuned "
+                                        "column only (init_from resamples it)"}
+        else:
+            r = _stage(errors, f"transfer_{new}", runner.evaluate_params, at_size(config),
+                       params, transfer.get("max_batches", None))
+            if r is not None:
+                entry["as_is"] = r
+        if transfer.get("finetune_steps", 0):
+            def finetune(n: int = new) -> dict[str, Any]:
+                c = at_size(config, n)
+                with c.ignore_type():
+                    c.init_from = str(cell_dir(root, cell.id))
+                _override(c, dict(transfer.get("finetune_overrides", {})))
+                c.num_steps = int(transfer.finetune_steps)
+                return _train_stage(c, cell_dir(root, cell.id, f"ft{n}"))
+            r = _stage(errors, f"finetune_{new}", finetune)
+            if r is not None:
+                entry["finetuned"] = r
+        record["transfer"][str(new)] = entry
+    if cell.seed == 1 and "pos_embedding" in params and study.get("analysis", True):
+        patch = config.model.patch_size
+        patch = patch if isinstance(patch, int) else patch[0]
+        from posjax.models.config import stem_stride
+        g = size // (patch * stem_stride(tuple(config.model.get("resnet_layers", ()))))
+        table = np.asarray(params["pos_embedding"])
+        sim = analysis.vit_similarity(table, (g, g), table.shape[1] - g * g)
+        write_analysis(root, cell.id, {"vit_similarity": sim})

@@ -1,0 +1,502 @@
+"""The study report, built only from ``results/`` (so grids run on several machines merge by
+copying their ``results/`` folders together): ``report.md``, ``report.json`` and PNGs.
+
+Claims come from ``study.json``'s ``claims`` (the study config's ``study.claims``), each
+decided from the numbers by one rule (``CLAIM_RULES``), never written by hand.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from posjax.study import stats
+from posjax.study.analysis import HEAD_RULE
+
+CLAIM_RULES = {
+    "paired": ("the 95% paired t-interval of (a − b) over seeds lies entirely on the claimed "
+               "side of 0: reproduced; entirely on the other side: not reproduced; covers 0 or "
+               "n < 2: inconclusive"),
+    "same": ("the claim is that a and b do not differ: the 95% paired t-interval covers 0: "
+             "reproduced (no difference detectable at this n); excludes 0: not reproduced; "
+             "n < 2: inconclusive"),
+    "convergence": ("the mean over seeds of (steps a needs to reach b's final mean held-out "
+                    "loss) / (b's steps) is <= `at_most`: reproduced; >= 1 or never reached: "
+                    "not reproduced; in between: inconclusive"),
+}
+
+
+def load_results(root: pathlib.Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(manifest, one record per manifest cell: its results JSON, else status 'not run')."""
+    rdir = root / "results"
+    manifest = json.loads((rdir / "study.json").read_text())
+    records = []
+    for c in manifest["cells"]:
+        path = rdir / f"{c['cell']}.json"
+        if path.is_file():
+            records.append(json.loads(path.read_text()))
+        else:
+            records.append({**c, "status": "pending" if c.get("pending") else "not run",
+                            "error": c.get("pending", "")})
+    return manifest, records
+
+
+def read_curve(path: pathlib.Path) -> dict[str, np.ndarray]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    keys = rows[0].keys() if rows else []
+    return {k: np.array([float(r[k]) if r[k] != "" else np.nan for r in rows]) for k in keys}
+
+
+def metric(record: dict[str, Any], path: str) -> float | None:
+    """A number from a record by dotted path; ``glue_mean`` = mean GLUE ``score``."""
+    if path == "glue_mean":
+        scores = [v.get("score") for v in record.get("glue", {}).values()]
+        return float(np.mean(scores)) if scores else None
+    node: Any = record
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return float(node) if isinstance(node, (int, float)) else None
+
+
+def by_name(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(r["name"], []).append(r)
+    return out
+
+
+def ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("status") == "ok"]
+
+
+def seeds_of(records: list[dict[str, Any]], path: str) -> dict[int, float]:
+    return {r["seed"]: v for r in ok(records) if (v := metric(r, path)) is not None}
+
+
+def fmt(s: dict[str, float], digits: int = 4) -> str:
+    if not s["n"]:
+        return "—"
+    std = "" if not np.isfinite(s["std"]) else f" ± {s['std']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}{std} (n={s['n']})"
+
+
+def convergence(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], base: str
+                ) -> dict[str, Any]:
+    """Steps each entry needs to reach the baseline's final mean held-out loss (mean over
+    seeds; per-seed curves) and its ratio to the baseline's own steps."""
+    finals = [metric(r, "final.loss") for r in ok(groups.get(base, []))]
+    finals = [f for f in finals if f is not None]
+    if not finals:
+        return {}
+    target = float(np.mean(finals))
+    out: dict[str, Any] = {"target_loss": target}
+
+    def steps(records: list[dict[str, Any]]) -> list[float | None]:
+        res = []
+        for r in ok(records):
+            path = root / "results" / f"{r['cell']}_curve.csv"
+            if not path.is_file():
+                continue
+            c = read_curve(path)
+            if "eval_loss" in c:
+                res.append(stats.steps_to_reach(c["step"], c["eval_loss"], target))
+        return res
+
+    base_steps = [s for s in steps(groups[base]) if s is not None]
+    base_mean = float(np.mean(base_steps)) if base_steps else float("nan")
+    for name, records in groups.items():
+        s = steps(records)
+        reached = [x for x in s if x is not None]
+        out[name] = {"steps": s, "mean_steps": float(np.mean(reached)) if reached else None,
+                     "reached": f"{len(reached)}/{len(s)}",
+                     "ratio": (float(np.mean(reached)) / base_mean
+                               if reached and len(reached) == len(s) and base_mean > 0 else None)}
+    return out
+
+
+def decide(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
+           conv: dict[str, Any]) -> dict[str, Any]:
+    """One claim's measurement and verdict (``CLAIM_RULES``)."""
+    kind = claim.get("rule", "paired")
+    a, b = claim["a"], claim["b"]
+    out = {**claim, "rule_text": CLAIM_RULES[kind]}
+    if a not in groups or b not in groups or not ok(groups[a]) or not ok(groups[b]):
+        missing = [n for n in (a, b) if n not in groups or not ok(groups[n])]
+        return {**out, "measured": f"no finished cells of {', '.join(missing)}",
+                "verdict": "inconclusive"}
+    if kind == "convergence":
+        ratio = conv.get(a, {}).get("ratio")
+        if ratio is None:
+            return {**out, "measured": f"{a} did not reach {b}'s final loss in every seed",
+                    "verdict": "not reproduced"}
+        verdict = ("reproduced" if ratio <= claim.get("at_most", 0.5)
+                   else "not reproduced" if ratio >= 1 else "inconclusive")
+        return {**out, "measured": f"steps ratio {ratio:.2f}", "ratio": ratio, "verdict": verdict}
+    metric_b = claim.get("metric_b", claim["metric"])
+    p = stats.paired(seeds_of(groups[a], claim["metric"]), seeds_of(groups[b], metric_b))
+    if kind == "same":
+        verdict = ("inconclusive" if p["n"] < 2 else
+                   "not reproduced" if p["distinguishable"] else "reproduced")
+        return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
+    sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
+    verdict = "inconclusive"
+    if p["n"] >= 2:
+        low, high = sign * p["low"], sign * p["high"]   # the claimed side is > 0
+        if min(low, high) > 0:
+            verdict = "reproduced"
+        elif max(low, high) < 0:
+            verdict = "not reproduced"
+    return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
+
+
+def _measured(claim: dict[str, Any], p: dict[str, Any]) -> str:
+    what = claim["metric"] + (f" vs {claim['metric_b']}" if claim.get("metric_b") else "")
+    return (f"{what}: {claim['a']} − {claim['b']} = {p['mean']:+.4f} "
+            f"[{p['low']:+.4f}, {p['high']:+.4f}] (n={p['n']})")
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_curves(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], out: pathlib.Path,
+                keys: tuple[str, ...]) -> pathlib.Path | None:
+    """Held-out curves of every entry: mean over seeds and a min–max band."""
+    from posjax.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    drawn = False
+    for name, records in groups.items():
+        curves = []
+        for r in ok(records):
+            path = root / "results" / f"{r['cell']}_curve.csv"
+            if path.is_file():
+                curves.append(read_curve(path))
+        for ax, key in zip(axes[0], keys):
+            series = [(c["step"][np.isfinite(c.get(key, np.array([np.nan])))],
+                       c[key][np.isfinite(c[key])]) for c in curves if key in c]
+            series = [s for s in series if len(s[0])]
+            if not series:
+                continue
+            steps = series[0][0]
+            same = [v for s, v in series if len(s) == len(steps) and np.all(s == steps)]
+            stack = np.stack(same)
+            line, = ax.plot(steps, stack.mean(0), marker=".", label=f"{name} (n={len(same)})")
+            ax.fill_between(steps, stack.min(0), stack.max(0), alpha=0.2, color=line.get_color())
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"held-out {key.removeprefix('eval_')}")
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, out)
+    return out
+
+
+def plot_terms(terms: dict[str, np.ndarray], out: pathlib.Path) -> pathlib.Path:
+    from posjax.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(terms), figsize=(3.2 * len(terms), 3.2))
+    for ax, (name, m) in zip(np.atleast_1d(axes), terms.items()):
+        im = ax.imshow(m, cmap="viridis")
+        ax.set_title(name)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle("BERT-A layer 1: correlation terms (TUPE Fig. 2)")
+    fig.tight_layout()
+    save_figure(fig, out)
+    return out
+
+
+def plot_heads(maps: np.ndarray, labels: list[str], title: str, out: pathlib.Path) -> pathlib.Path:
+    from posjax.plots import pyplot, save_figure
+
+    plt = pyplot()
+    cols = min(len(maps), 4)
+    rows = math.ceil(len(maps) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i < len(maps):
+            ax.imshow(maps[i], cmap="viridis")
+            ax.set_title(f"head {i}: {labels[i]}", fontsize=9)
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, out)
+    return out
+
+
+def plot_similarity(sim: np.ndarray, out: pathlib.Path) -> pathlib.Path:
+    from posjax.plots import pyplot, save_figure
+
+    plt = pyplot()
+    gh, gw = sim.shape[:2]
+    fig, axes = plt.subplots(gh, gw, figsize=(gw, gh))
+    for i in range(gh):
+        for j in range(gw):
+            ax = axes[i][j]
+            ax.imshow(sim[i, j], vmin=-1, vmax=1, cmap="viridis")
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle("cosine similarity of learned position embeddings (ViT Fig. 7)")
+    save_figure(fig, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def build(root: pathlib.Path) -> dict[str, Any]:
+    """Write report.md, report.json and the PNGs into ``root``; return the report dict."""
+    root = pathlib.Path(root)
+    manifest, records = load_results(root)
+    groups = by_name(records)
+    base = manifest["baseline"]
+    kind = manifest["kind"]
+    primary = ("final.loss", "final.accuracy") if kind == "text" else ("final.accuracy",
+                                                                       "final.loss")
+    rep: dict[str, Any] = {"kind": kind, "baseline": base, "cells": [], "table": {},
+                           "paired": {}, "cost": {}, "figures": []}
+    for r in records:
+        rep["cells"].append({k: r.get(k) for k in ("cell", "name", "seed", "scheme", "status",
+                                                   "error", "stage_errors")})
+    for name, rs in groups.items():
+        row = {m: stats.mean_std(list(seeds_of(rs, m).values())) for m in primary}
+        row["status"] = {s: sum(r["status"] == s for r in rs)
+                         for s in ("ok", "failed", "not run", "pending")}
+        rep["table"][name] = row
+        if name != base:
+            rep["paired"][name] = {m: stats.paired(seeds_of(rs, m), seeds_of(groups[base], m))
+                                   for m in primary}
+    base_time = stats.mean_std([r.get("step_time_s") for r in ok(groups.get(base, []))])
+    base_mem = stats.mean_std([r.get("memory", {}).get("peak_bytes") for r in
+                               ok(groups.get(base, []))])
+    for name, rs in groups.items():
+        t = stats.mean_std([r.get("step_time_s") for r in ok(rs)])
+        m = stats.mean_std([r.get("memory", {}).get("peak_bytes") for r in ok(rs)])
+        params = [r.get("params") for r in ok(rs) if r.get("params")]
+        hosts = {(r.get("host"), r.get("pid")) for r in ok(rs) + ok(groups.get(base, []))}
+        rep["cost"][name] = {"step_time_s": t, "peak_bytes": m,
+                             "params": params[0] if params else None,
+                             "time_ratio": t["mean"] / base_time["mean"] if base_time["n"] else None,
+                             "memory_ratio": (m["mean"] / base_mem["mean"]
+                                              if base_mem["n"] else None),
+                             "same_process": len(hosts) == 1}
+    if kind == "text":
+        rep["convergence"] = convergence(root, groups, base)
+        rep["glue"] = _glue(groups)
+        rep["extrapolation"] = _nested(groups, "extrapolation", "loss")
+        rep["synthetic"] = {t: _nested(groups, f"synthetic.{t}", "accuracy")
+                            for t in _keys(groups, "synthetic")}
+    else:
+        rep["transfer"] = _transfer(groups)
+    rep["claims"] = [decide(c, groups, rep.get("convergence", {}))
+                     for c in manifest.get("claims", [])]
+    _figures(root, groups, rep, kind)
+    (root / "report.json").write_text(json.dumps(rep, indent=1, default=_plain))
+    (root / "report.md").write_text(markdown(manifest, rep))
+    return rep
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return str(x)
+
+
+def _keys(groups: dict[str, list[dict[str, Any]]], field: str) -> list[str]:
+    return sorted({k for rs in groups.values() for r in ok(rs) for k in r.get(field, {})})
+
+
+def _glue(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    tasks = _keys(groups, "glue")
+    return {name: {t: stats.mean_std(list(seeds_of(rs, f"glue.{t}.score").values()))
+                   for t in tasks} for name, rs in groups.items()}
+
+
+def _nested(groups: dict[str, list[dict[str, Any]]], field: str, key: str) -> dict[str, Any]:
+    """{entry: {factor: mean_std of key, or the reason}} of per-length results."""
+    out: dict[str, Any] = {}
+    for name, rs in groups.items():
+        entry: dict[str, Any] = {}
+        for r in ok(rs):
+            node: Any = r
+            for part in field.split("."):
+                node = node.get(part, {}) if isinstance(node, dict) else {}
+            for f, v in (node or {}).items():
+                if "reason" in v:
+                    entry[f] = {"reason": v["reason"], "length": v["length"]}
+                elif key in v:
+                    entry.setdefault(f, {"values": [], "length": v["length"]})
+                    entry[f].setdefault("values", []).append(v[key])
+        for f, v in entry.items():
+            if "values" in v:
+                v.update(stats.mean_std(v.pop("values")))
+        if entry:
+            out[name] = entry
+    return out
+
+
+def _transfer(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, rs in groups.items():
+        entry: dict[str, Any] = {}
+        for r in ok(rs):
+            for size, methods in r.get("transfer", {}).items():
+                for method, v in methods.items():
+                    entry.setdefault(f"{size}px {method}", []).append(v.get("accuracy"))
+        if entry:
+            out[name] = {k: stats.mean_std(v) for k, v in entry.items()}
+    return out
+
+
+def read_analysis(root: pathlib.Path, cell: str) -> dict[str, np.ndarray] | None:
+    """``results/<cell>_analysis.json`` (or the .npz of earlier versions) as arrays."""
+    path = root / "results" / f"{cell}_analysis.json"
+    if path.is_file():
+        return {k: np.asarray(v) for k, v in json.loads(path.read_text()).items()}
+    path = path.with_suffix(".npz")
+    if path.is_file():
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    return None
+
+
+def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: dict[str, Any],
+             kind: str) -> None:
+    keys = ("eval_loss", "eval_accuracy")
+    if (p := plot_curves(root, groups, root / "curves.png", keys)) is not None:
+        rep["figures"].append(p.name)
+    for rs in groups.values():
+        for r in ok(rs):
+            data = read_analysis(root, r["cell"])
+            if data is None:
+                continue
+            terms = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith("bert_terms/")}
+            if terms:
+                rep["figures"].append(plot_terms(terms, root / f"tupe_terms_{r['name']}.png").name)
+            if "tupe_maps" in data:
+                labels = [str(x) for x in data["tupe_labels"]]
+                rep.setdefault("head_labels", {})[r["name"]] = labels
+                rep["figures"].append(plot_heads(
+                    data["tupe_maps"], labels, f"{r['name']}: positional attention per head "
+                    f"(rule: {HEAD_RULE})", root / f"tupe_heads_{r['name']}.png").name)
+            if "vit_similarity" in data:
+                rep["figures"].append(plot_similarity(
+                    data["vit_similarity"], root / f"position_similarity_{r['name']}.png").name)
+
+
+def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
+    base = rep["baseline"]
+    lines = [f"# {manifest.get('title') or manifest['kind'] + ' study'}", "",
+             f"Baseline: `{base}`. Built from `results/` only. Mean ± sample std over seeds "
+             "(n = finished seeds).", ""]
+    lines += ["## Cells", "", "| cell | scheme | status | note |", "|---|---|---|---|"]
+    for c in rep["cells"]:
+        note = c.get("error") or ""
+        if c.get("stage_errors"):
+            note += " follow-ups failed: " + "; ".join(f"{k}: {v}"
+                                                      for k, v in c["stage_errors"].items())
+        lines.append(f"| {c['cell']} | {c['scheme']} | {c['status']} | "
+                     f"{note.replace('|', '/').replace(chr(10), ' ')[:300]} |")
+    metrics_ = list(next(iter(rep["table"].values()), {}).keys() - {"status"})
+    lines += ["", "## Final held-out metrics", "",
+              "| entry | " + " | ".join(metrics_) + " |", "|---" * (len(metrics_) + 1) + "|"]
+    for name, row in rep["table"].items():
+        lines.append(f"| {name} | " + " | ".join(fmt(row[m]) for m in metrics_) + " |")
+    lines += ["", f"## Paired comparison with {base}",
+              "", "Per-seed differences (entry − baseline), their mean and 95% t-interval; "
+              "\"not distinguishable\" where the interval covers 0.", "",
+              "| entry | metric | differences | mean | 95% interval | n | verdict |",
+              "|---|---|---|---|---|---|---|"]
+    for name, ms in rep["paired"].items():
+        for m, p in ms.items():
+            verdict = ("n < 2" if p["distinguishable"] is None else
+                       "distinguishable" if p["distinguishable"] else "not distinguishable")
+            diffs = ", ".join(f"{d:+.4f}" for d in p["differences"])
+            lines.append(f"| {name} | {m} | {diffs} | {p['mean']:+.4f} | "
+                         f"[{p['low']:+.4f}, {p['high']:+.4f}] | {p['n']} | {verdict} |")
+    if rep.get("convergence"):
+        conv = rep["convergence"]
+        lines += ["", "## Convergence (TUPE's claim: TUPE reaches BERT-A's final loss at 30% of "
+                  "its steps)", "", f"Target: {base}'s final mean held-out loss "
+                  f"{conv['target_loss']:.4f}; steps interpolated between evaluations.", "",
+                  "| entry | steps to target (mean) | seeds reaching | ratio to baseline |",
+                  "|---|---|---|---|"]
+        for name, v in conv.items():
+            if name == "target_loss":
+                continue
+            ms = "—" if v["mean_steps"] is None else f"{v['mean_steps']:.0f}"
+            ratio = "—" if v["ratio"] is None else f"{v['ratio']:.2f}"
+            lines.append(f"| {name} | {ms} | {v['reached']} | {ratio} |")
+    if rep.get("glue"):
+        tasks = sorted({t for v in rep["glue"].values() for t in v})
+        if tasks:
+            lines += ["", "## GLUE dev (score: the task's official metric mean) from each "
+                      "pretrained encoder", "", "| entry | " + " | ".join(tasks) + " |",
+                      "|---" * (len(tasks) + 1) + "|"]
+            for name, v in rep["glue"].items():
+                lines.append(f"| {name} | " + " | ".join(fmt(v[t], 3) for t in tasks) + " |")
+    lines += ["", f"## Cost (ratios to {base})", "",
+              "| entry | step time (s) | ratio | peak step memory (MiB) | ratio | params | "
+              "same process |", "|---|---|---|---|---|---|---|"]
+    for name, c in rep["cost"].items():
+        mem = c["peak_bytes"]
+        mem_text = "—" if not mem["n"] else f"{mem['mean'] / 2**20:.1f}"
+        tr = "—" if not _number(c["time_ratio"]) else f"{c['time_ratio']:.2f}"
+        mr = "—" if not _number(c["memory_ratio"]) else f"{c['memory_ratio']:.2f}"
+        lines.append(f"| {name} | {fmt(c['step_time_s'], 3)} | {tr} | {mem_text} | {mr} | "
+                     f"{c['params']} | {c['same_process']} |")
+    lines += ["", "Peak step memory: XLA's compiled forward+backward of one batch (temporaries "
+              "+ arguments), the same measurement for every entry."]
+    for title, key, value in (("Length extrapolation (held-out MLM loss)", "extrapolation",
+                               "loss"),):
+        if rep.get(key):
+            lines += _length_table(title, rep[key])
+    for task, table in rep.get("synthetic", {}).items():
+        lines += _length_table(f"Synthetic task `{task}` (held-out accuracy)", table)
+    if rep.get("transfer"):
+        cols = sorted({k for v in rep["transfer"].values() for k in v})
+        lines += ["", "## Resolution transfer (test accuracy)", "",
+                  "| entry | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for name, v in rep["transfer"].items():
+            lines.append(f"| {name} | " + " | ".join(fmt(v[c]) if c in v else "—"
+                                                     for c in cols) + " |")
+    if rep.get("head_labels"):
+        lines += ["", "## TUPE positional heads", "", f"Rule: {HEAD_RULE}.", ""]
+        for name, labels in rep["head_labels"].items():
+            lines.append(f"- {name}: " + ", ".join(f"head {i} {l}" for i, l in enumerate(labels)))
+    lines += ["", "## Claims", "", "| paper | claim | measured | verdict |", "|---|---|---|---|"]
+    for c in rep["claims"]:
+        lines.append(f"| {c.get('paper', '')} | {c['claim']} | {c['measured']} | "
+                     f"{c['verdict']} |")
+    lines += ["", "Rules: " + "; ".join(f"**{k}**: {v}" for k, v in CLAIM_RULES.items()), ""]
+    lines += ["## Figures", ""] + [f"![{f}]({f})" for f in rep["figures"]]
+    return "\n".join(lines) + "\n"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _length_table(title: str, table: dict[str, Any]) -> list[str]:
+    factors = sorted({f for v in table.values() for f in v}, key=int)
+    lines = ["", f"## {title}", "", "Trained at L, evaluated at f·L.", "",
+             "| entry | " + " | ".join(f"{f}L" for f in factors) + " |",
+             "|---" * (len(factors) + 1) + "|"]
+    for name, v in table.items():
+        cells = []
+        for f in factors:
+            e = v.get(f)
+            cells.append("—" if e is None else e["reason"] if "reason" in e else fmt(e))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,130 @@
+"""The study's one adapter to the training system: train a workdir, read its metrics and
+params, evaluate params on a (changed) config, and measure a train step's memory.
+
+Everything the study needs from ``posjax.training`` goes through here, so when the trainer's
+modules move only this file changes.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from posjax.training import loop
+from posjax.training.metrics import read_metrics
+from posjax.training.tasks import make_task
+
+train = loop.train
+Diverged = loop.Diverged
+
+
+def finished_eval(workdir: pathlib.Path, num_steps: int) -> dict[str, Any] | None:
+    """The final eval metrics JSON of a finished run in ``workdir`` (None if not finished)."""
+    files = sorted((workdir / "checkpoints").glob(f"eval_{num_steps}_*.json"))
+    for f in files:
+        if "_data-" not in f.name:
+            return json.loads(f.read_text())
+    return None
+
+
+def metrics(workdir: pathlib.Path) -> list[dict[str, Any]]:
+    path = workdir / "metrics.jsonl"
+    return read_metrics(path) if path.is_file() else []
+
+
+def step_time(records: list[dict[str, Any]]) -> float:
+    """Median seconds per train step over the logged intervals (compilation excluded)."""
+    rates = [r["steps_per_s"] for r in records
+             if r.get("split") == "train" and np.isfinite(r.get("steps_per_s", np.nan))]
+    return float(1.0 / np.median(rates)) if rates else float("nan")
+
+
+def curve(records: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Rows (step, train_loss, eval_<metric>...) merged by step, in step order."""
+    rows: dict[int, dict[str, float]] = {}
+    for r in records:
+        row = rows.setdefault(int(r["step"]), {"step": int(r["step"])})
+        if r.get("split") == "train" and "loss" in r:
+            row["train_loss"] = float(r["loss"])
+        elif r.get("split") == "eval":
+            for k, v in r.items():
+                if k not in ("step", "split") and isinstance(v, (int, float)):
+                    row[f"eval_{k}"] = float(v)
+    return [rows[s] for s in sorted(rows)]
+
+
+def load_params(workdir: pathlib.Path) -> dict[str, Any]:
+    """The latest checkpoint's params of a train.py workdir, as numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    from posjax.training import checkpoint as ckpt_lib
+
+    workdir = pathlib.Path(workdir).absolute()   # orbax reads absolute paths only
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                   if p.name.isdigit() and (p / "state").is_dir())
+    path = workdir / "checkpoints" / str(steps[-1]) / "state"
+    tree = ckpt_lib.read_metadata_tree(path)
+    item = {"params": tree["params"]}
+    restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item,
+                           is_leaf=lambda x: hasattr(x, "shape"))
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore, partial_restore=True)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(path, args=args)["params"]
+
+
+def param_count(params: Any) -> int:
+    return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def build(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
+    """(task, model) of a train config (validated as train.py would)."""
+    task = make_task(config)
+    task.validate()
+    return task, task.build_model()
+
+
+def evaluate_params(config: ml_collections.ConfigDict, params: Any,
+                    max_batches: int | None = None) -> dict[str, float]:
+    """``config``'s task metrics of ``params`` on its test split (one process, no mesh):
+    used for held-out data at another length or resolution than the run's."""
+    task, model = build(config)
+    batch_size = int(config.eval_batch_size or config.batch_size)
+    pipe = task.make_pipeline("test", batch_size, int(config.seed), False, 0, 1)
+    step = jax.jit(lambda p, b: task.eval_outputs(model, p, b))
+    collected: dict[str, list[np.ndarray]] = {}
+    for i, batch in enumerate(pipe.dataset):
+        if max_batches is not None and i >= max_batches:
+            break
+        out = {k: np.asarray(v) for k, v in step(params, {k: jnp.asarray(v)
+                                                          for k, v in batch.items()}).items()}
+        out["__mask__"] = np.asarray(batch["mask"])
+        for k, v in out.items():
+            collected.setdefault(k, []).append(v)
+    mask = np.concatenate(collected.pop("__mask__")).astype(bool)
+    return task.summarize({k: np.concatenate(v)[mask] for k, v in collected.items()})
+
+
+def train_step_memory(config: ml_collections.ConfigDict) -> dict[str, float]:
+    """XLA's compiled memory of one forward+backward at the config's batch (bytes):
+    ``temp`` (activations and scratch), ``arguments`` (params + batch) and their sum ``peak``
+    (an upper bound of what the step holds beyond the optimizer state)."""
+    task, model = build(config)
+    batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(int(config.batch_size)).items()}
+    rng = jax.random.PRNGKey(0)
+    params = jax.eval_shape(lambda: task.init_params(model, rng, batch))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          __import__("flax").linen.meta.unbox(params))
+
+    def loss(p, b, r):
+        return task.train_metrics(model, p, b, r)["loss"][0]
+
+    compiled = jax.jit(jax.grad(loss)).lower(params, batch, rng).compile()
+    info = compiled.memory_analysis()
+    temp = float(getattr(info, "temp_size_in_bytes", 0) or 0)
+    args = float(getattr(info, "argument_size_in_bytes", 0) or 0)
+    return {"temp_bytes": temp, "argument_bytes": args, "peak_bytes": temp + args}

@@ -1,0 +1,212 @@
+"""A study config (ml_collections, ``configs/study_*.py``) checked and expanded into cells.
+
+A study is a grid: each entry of ``study.cells`` (a scheme or ablation: ``name``, ``scheme``,
+optional ``model`` and ``train`` overrides) runs once per seed 1..``study.seeds``; every cell
+has the same base training config (``study.base``: ``"path/to/config.py[:variant]"`` plus
+``study.base_overrides``), so only the position scheme and the cell's overrides differ.
+
+Cells are ordered seed-major (seed 1 of every entry first), so a grid stopped part-way has one
+seed of every scheme. ``check_study`` finds every problem before anything trains and raises one
+``StudyConfigError`` naming the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+from typing import Any
+
+import ml_collections
+
+from posjax.models.config import TEXT_SCHEMES, VIT_SCHEMES, TextConfig, ViTConfig
+from posjax.training.state import SAME_FUNCTION_FIELDS
+
+KINDS = ("text", "vit")
+NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+# Scheme defaults on top of the base model (the recipes of configs/mlm_*.py: TUPE and BERT-A-d
+# without token types and with eps 1e-5; DeBERTa without absolute input positions).
+# A scheme missing here (rope, alibi, nope when they land) starts from the base model as is.
+TEXT_PRESETS: dict[str, dict[str, Any]] = {
+    "bert_abs": {}, "bert_rel": {},
+    "tupe_a": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
+    "tupe_r": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
+    "bert_abs_d": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
+    "deberta": {"type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": False},
+    "deberta_v2": {"type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": False,
+                   "share_att_key": True, "norm_rel_ebd": True},
+}
+VIT_PRESETS: dict[str, dict[str, Any]] = {}
+
+
+class StudyConfigError(ValueError):
+    """A study config that cannot run: every problem found, one per line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One training run of the grid: entry ``name`` with ``seed``."""
+
+    name: str                   # the grid entry (scheme or ablation)
+    seed: int
+    scheme: str
+    model: dict[str, Any]       # the full model config of the primary run
+    train: dict[str, Any]       # dotted train-config overrides of the entry
+    pending: str = ""           # non-empty: not runnable (the reason), reported as such
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-s{self.seed}"
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """``path.py[:variant]`` -> its ``get_config(variant)``."""
+    path, _, variant = spec.partition(":")
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise StudyConfigError(f"config file {path!r} does not exist (from {spec!r})")
+    module_spec = importlib.util.spec_from_file_location(f"_study_cfg_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(variant) if variant else module.get_config()
+
+
+def set_dotted(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
+    """``config.a.b = value`` for ``key='a.b'``; the key must exist (else KeyError)."""
+    *parents, last = key.split(".")
+    node = config
+    for p in parents:
+        node = node[p]
+    if last not in node:
+        raise KeyError(key)
+    with node.ignore_type():
+        node[last] = value
+
+
+def model_class(kind: str) -> type:
+    return TextConfig if kind == "text" else ViTConfig
+
+
+def known_schemes(kind: str) -> tuple[str, ...]:
+    return TEXT_SCHEMES if kind == "text" else VIT_SCHEMES
+
+
+def unread_fields(config: Any, overrides: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
+    """(field, schemes that read it) for each override that is a setting of other position
+    schemes only (``SAME_FUNCTION_FIELDS``): with this cell's scheme it would change nothing."""
+    own = set(SAME_FUNCTION_FIELDS["*"]) | set(SAME_FUNCTION_FIELDS.get(config.position_scheme, ()))
+    out = []
+    for field in overrides:
+        readers = tuple(s for s, fs in SAME_FUNCTION_FIELDS.items() if s != "*" and field in fs)
+        if readers and field not in own:
+            out.append((field, readers))
+    return out
+
+
+def _cell_model(kind: str, base_model: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    presets = TEXT_PRESETS if kind == "text" else VIT_PRESETS
+    model = dict(base_model)
+    model.update(presets.get(entry["scheme"], {}))
+    model["position_scheme"] = entry["scheme"]
+    model.update(entry.get("model", {}))
+    return model
+
+
+def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, list[Cell]]:
+    """(base train config, cells) of ``study``; one ``StudyConfigError`` listing every problem."""
+    problems: list[str] = []
+    kind = study.get("kind", "")
+    if kind not in KINDS:
+        raise StudyConfigError(f"study.kind={kind!r} is not valid: choose one of {', '.join(KINDS)}")
+    seeds = study.get("seeds", 0)
+    if not isinstance(seeds, int) or seeds < 1:
+        problems.append(f"study.seeds={seeds!r}: must be an integer >= 1 (seeds 1..N run per cell)")
+    try:
+        base = load_config_file(study.base)
+    except StudyConfigError as e:
+        raise StudyConfigError(f"study.base={study.base!r}: {e}") from None
+    for key, value in dict(study.get("base_overrides", {})).items():
+        try:
+            set_dotted(base, key, value)
+        except KeyError:
+            problems.append(f"study.base_overrides[{key!r}]: no such key in the base config "
+                            f"{study.base!r}: remove it or fix its name")
+    base_model = dict(base.model)
+    cls = model_class(kind)
+    names: dict[str, int] = {}
+    entries = [dict(e) for e in study.cells]
+    if not entries:
+        problems.append("study.cells is empty: list at least one cell (name, scheme)")
+    cells: list[Cell] = []
+    for i, entry in enumerate(entries):
+        where = f"study.cells[{i}]"
+        name = entry.get("name", "")
+        if not isinstance(name, str) or not NAME.match(name):
+            problems.append(f"{where}.name={name!r}: use letters, digits and _ (starting with a "
+                            "letter)")
+            continue
+        where = f"study.cells[{i}] ({name!r})"
+        if name in names:
+            problems.append(f"{where}: duplicate cell name (also study.cells[{names[name]}]): "
+                            "give every cell its own name")
+            continue
+        names[name] = i
+        unknown = set(entry) - {"name", "scheme", "model", "train", "optional"}
+        if unknown:
+            problems.append(f"{where}: unknown key(s) {sorted(unknown)}: a cell has name, scheme, "
+                            "model, train, optional")
+        scheme = entry.get("scheme", "")
+        pending = ""
+        if scheme not in known_schemes(kind):
+            if entry.get("optional"):
+                pending = (f"scheme not available: position_scheme={scheme!r} is not in this "
+                           f"posjax ({', '.join(known_schemes(kind))})")
+            else:
+                problems.append(f"{where}.scheme={scheme!r} is unknown: choose one of "
+                                f"{', '.join(known_schemes(kind))} (or set optional=True to "
+                                "list it as pending)")
+                continue
+        overrides = dict(entry.get("model", {}))
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            problems.append(f"{where}.model: unknown {cls.__name__} field(s) {bad}: fix the "
+                            "name(s)")
+            continue
+        model = _cell_model(kind, base_model, entry)
+        if not pending:
+            try:
+                config = cls(**model)
+            except (ValueError, TypeError) as e:
+                problems.append(f"{where}: {e}")
+                continue
+            for field, readers in unread_fields(config, overrides):
+                problems.append(f"{where}.model.{field}={overrides[field]!r} has no effect with "
+                                f"scheme {scheme!r} (only {', '.join(readers)} read it): remove "
+                                "it or choose one of those schemes")
+        train = dict(entry.get("train", {}))
+        for key, value in train.items():
+            try:
+                set_dotted(base.copy_and_resolve_references(), key, value)
+            except KeyError:
+                problems.append(f"{where}.train[{key!r}]: no such key in the base config")
+        for seed in range(1, (seeds if isinstance(seeds, int) else 0) + 1):
+            cells.append(Cell(name, seed, scheme, model, train, pending))
+    for i, claim in enumerate(study.get("claims", [])):
+        for side in ("a", "b"):
+            if claim.get(side) not in names:
+                problems.append(f"study.claims[{i}].{side}={claim.get(side)!r} is not a cell "
+                                f"name: use one of {', '.join(names)}")
+        if claim.get("rule", "paired") not in ("paired", "same", "convergence"):
+            problems.append(f"study.claims[{i}].rule={claim.get('rule')!r}: use 'paired', "
+                            "'same' or 'convergence'")
+    if problems:
+        raise StudyConfigError("the study config cannot run:\n  " + "\n  ".join(problems))
+    cells.sort(key=lambda c: (c.seed, names[c.name]))
+    return base, cells
+
+
+def baseline(study: ml_collections.ConfigDict) -> str:
+    """The cell every other is compared with (``study.baseline``, default the first cell)."""
+    return study.get("baseline", "") or study.cells[0]["name"]

@@ -1,0 +1,229 @@
+"""posjax.study: the tiny text and image studies end to end (grid, resume, failed cell, report
+from results/ only), bad study configs, the statistics and the synthetic data."""
+import json
+import math
+import pathlib
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jax_env import xla_flags
+from posjax.study import report, stats, synthetic
+from posjax.study.__main__ import main
+from posjax.study.spec import StudyConfigError, check_study, load_config_file
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TEXT = str(ROOT / "configs" / "study_text.py")
+VIT = str(ROOT / "configs" / "study_vit.py")
+VERDICTS = {"reproduced", "not reproduced", "inconclusive"}
+
+
+def _finite(x):
+    return x is not None and math.isfinite(x)
+
+
+def test_paired_statistics_on_known_numbers():
+    p = stats.paired({1: 1.0, 2: 2.0, 3: 3.0}, {1: 0.5, 2: 1.0, 3: 2.5, 4: 9.0})
+    assert p["seeds"] == [1, 2, 3] and p["differences"] == [0.5, 1.0, 0.5]
+    half = 4.302652729911275 * np.std([0.5, 1.0, 0.5], ddof=1) / math.sqrt(3)
+    assert p["mean"] == pytest.approx(2 / 3)
+    assert (p["low"], p["high"]) == pytest.approx((2 / 3 - half, 2 / 3 + half))
+    assert p["distinguishable"] is False                       # covers 0: not distinguishable
+    q = stats.paired({1: 1.0, 2: 1.1, 3: 1.2}, {1: 0.0, 2: 0.1, 3: 0.1})
+    assert q["distinguishable"] is True and q["low"] > 0
+    assert stats.paired({1: 1.0}, {1: 0.0})["distinguishable"] is None   # n < 2
+    assert stats.mean_std([1.0, 3.0]) == {"mean": 2.0, "std": math.sqrt(2), "n": 2}
+    assert stats.steps_to_reach([0, 10, 20], [5.0, 3.0, 1.0], 2.0) == pytest.approx(15.0)
+    assert stats.steps_to_reach([0, 10], [5.0, 3.0], 1.0) is None
+
+
+def test_claim_rules_decide_from_numbers():
+    rec = lambda name, seed, loss: {"name": name, "seed": seed, "status": "ok",   # noqa: E731
+                                    "final": {"loss": loss}}
+    groups = {"a": [rec("a", s, v) for s, v in ((1, 1.0), (2, 1.1), (3, 1.05))],
+              "b": [rec("b", s, v) for s, v in ((1, 2.0), (2, 2.2), (3, 2.1))]}
+    claim = {"claim": "a better", "a": "a", "b": "b", "metric": "final.loss", "better": "lower"}
+    assert report.decide(claim, groups, {})["verdict"] == "reproduced"
+    assert report.decide({**claim, "better": "higher"}, groups, {})["verdict"] == "not reproduced"
+    assert report.decide({**claim, "rule": "same"}, groups, {})["verdict"] == "not reproduced"
+    assert report.decide({**claim, "b": "c"}, groups, {})["verdict"] == "inconclusive"
+    conv = {"a": {"ratio": 0.25}}
+    assert report.decide({**claim, "rule": "convergence", "at_most": 0.3}, groups,
+                         conv)["verdict"] == "reproduced"
+
+
+def test_synthetic_tasks_are_deterministic_and_positional():
+    data = synthetic.default_data_config("shift", 12)
+    a = synthetic.make_batch(data, 3, 0, 5, 4)
+    b = synthetic.make_batch(data, 3, 0, 5, 4)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    x, pos, tgt = a["input_ids"][0], a["masked_positions"][0], a["masked_ids"][0]
+    assert np.array_equal(tgt, x[pos - int(data.shift)])        # the token k to the left
+    rev = synthetic.make_batch(synthetic.default_data_config("reverse", 12), 0, 0, 0, 1)
+    assert np.array_equal(rev["masked_ids"][0], rev["input_ids"][0, 1:][::-1])
+    cnt = synthetic.make_batch(synthetic.default_data_config("count", 64), 0, 0, 0, 2)
+    marks = cnt["masked_positions"][0][cnt["masked_weights"][0] > 0]
+    assert np.all(cnt["input_ids"][0][marks] == synthetic.MARK)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: s.cells.append(dict(name="x", scheme="rope_typo")), ["scheme='rope_typo'",
+                                                                     "choose one of"]),
+    (lambda s: s.cells.append(dict(name="y", scheme="bert_abs", model=dict(tie_cls=True))),
+     ["model.tie_cls=True has no effect", "tupe_a"]),
+    (lambda s: s.cells.append(dict(s.cells[0])), ["duplicate cell name"]),
+    (lambda s: setattr(s, "seeds", 0), ["study.seeds=0", ">= 1"]),
+    (lambda s: s.cells.append(dict(name="z", scheme="bert_abs", model=dict(hidden_sise=4))),
+     ["unknown TextConfig field", "hidden_sise"]),
+])
+def test_bad_study_configs_are_one_clear_error(edit, words, tmp_path, capsys):
+    study = load_config_file(TEXT + ":tiny")
+    edit(study)
+    with pytest.raises(StudyConfigError) as e:
+        check_study(study)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "results").exists()
+
+
+def test_cli_bad_config_and_report_without_results(tmp_path, capsys):
+    bad = tmp_path / "bad_study.py"
+    bad.write_text(open(TEXT).read().replace(
+        'dict(name="bert_rel", scheme="bert_rel")', 'dict(name="bert_abs", scheme="bert_rel")'
+    ).replace("pathlib.Path(__file__).resolve().parent",
+              f"pathlib.Path({str(ROOT / 'configs')!r})"))
+    assert main(["--config", str(bad) + ":tiny", "--workdir", str(tmp_path / "s")]) == 2
+    assert main(["--config", str(bad), "--workdir", str(tmp_path / "s")]) == 2
+    assert "duplicate cell name" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()                        # nothing trained or written
+    assert main(["--workdir", str(tmp_path / "s"), "--report"]) == 2
+
+
+def _check_common(rep, manifest_cells, runnable):
+    names = [c["cell"] for c in rep["cells"]]
+    assert names == [c["cell"] for c in manifest_cells]          # every cell, in grid order
+    for c in rep["cells"]:
+        if c["name"] in runnable:
+            assert c["status"] == "ok", c
+    for name in runnable:
+        for m, s in rep["table"][name].items():
+            if m != "status":
+                assert s["n"] == 2 and _finite(s["mean"]) and _finite(s["std"]), (name, m)
+        cost = rep["cost"][name]
+        assert _finite(cost["time_ratio"]) and _finite(cost["memory_ratio"])
+        assert cost["params"] > 0 and cost["same_process"]
+    assert rep["claims"] and all(c["verdict"] in VERDICTS for c in rep["claims"])
+    for c in rep["claims"]:
+        if "paired" in c:
+            assert c["paired"]["n"] >= 1 and str(round(c["paired"]["mean"], 4))[:4] in \
+                c["measured"].replace("+", "")
+
+
+# The grids run in one subprocess with one CPU device (the test processes simulate 8, which
+# would shard every tiny step 8 ways): an interrupted cell first, then the text grid with a
+# cell invalid at train time, a rerun, then the image study through the CLI.
+GRIDS = """
+import json, pathlib, sys
+import jax
+from posjax.study import cells as cells_lib, runner
+from posjax.study.__main__ import main
+from posjax.study.grid import run_grid
+from posjax.study.spec import check_study, load_config_file
+tmp = pathlib.Path(sys.argv[1])
+jax.config.update("jax_compilation_cache_dir", str(tmp / "jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+text = tmp / "text"
+study = load_config_file(sys.argv[2] + ":tiny")
+study.cells.append(dict(name="broken", scheme="bert_abs",
+                        train={"optimizer.warmup_steps": 10**6}))   # invalid at train time
+base, cells = check_study(study)
+first = cells[0]
+runner.train(cells_lib.main_config(base, first), cells_lib.cell_dir(text, first.id),
+             stop_after=3)                                           # an interrupted cell
+lines = []
+run_grid(study, text, log=lines.append)
+again = run_grid(study, text, log=lines.append)
+json.dump({"lines": lines, "again": [r["cell"] for r in again]}, open(tmp / "log.json", "w"))
+from posjax.study import report
+report.build(text)
+sys.exit(main(["--config", sys.argv[3] + ":tiny", "--workdir", str(tmp / "vit")]))
+"""
+
+
+def test_tiny_studies_end_to_end(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", GRIDS, str(tmp_path), TEXT, VIT], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout + done.stderr           # the interrupted cell resumed
+    text = tmp_path / "text"
+    log = json.loads((tmp_path / "log.json").read_text())
+    lines = log["lines"]
+    assert any("broken-s1 FAILED" in line and "warmup_steps" in line for line in lines)
+    # rerun: everything finished is skipped (the broken cells are retried and fail again)
+    assert log["again"] == ["broken-s1", "broken-s2"]
+    first = "bert_abs-s1"
+    rec = json.loads((text / "results" / f"{first}.json").read_text())
+    curve = (text / "results" / f"{first}_curve.csv").read_text().splitlines()
+    assert curve[0].startswith("step,train_loss") and len(curve) >= 3
+    assert rec["status"] == "ok" and _finite(rec["final"]["loss"])
+    rep = report.build(text)
+    manifest = json.loads((text / "results" / "study.json").read_text())
+    _check_common(rep, manifest["cells"], ("bert_abs", "tupe_a", "deberta_v2_no_emd"))
+    broken = [c for c in rep["cells"] if c["name"] == "broken"]
+    assert len(broken) == 2 and all(c["status"] == "failed" and "warmup_steps" in c["error"]
+                                    for c in broken)
+    assert rep["glue"]["bert_abs"]["mrpc"]["n"] == 1
+    ext = rep["extrapolation"]
+    assert "no rows beyond L" in ext["bert_abs"]["2"]["reason"]
+    assert _finite(ext["deberta_v2_no_emd"]["2"]["mean"])        # relative: evaluated at 2L
+    syn = rep["synthetic"]["shift"]
+    assert _finite(syn["tupe_a"]["1"]["mean"]) and "reason" in syn["tupe_a"]["2"]
+    assert _finite(syn["deberta_v2_no_emd"]["2"]["mean"])
+    assert set(rep["head_labels"]["tupe_a"]) <= {"global", "local", "broad", "previous", "next"}
+    assert {"curves.png", "tupe_terms_bert_abs.png", "tupe_heads_tupe_a.png"} <= set(rep["figures"])
+    md = (text / "report.md").read_text()
+    for word in ("broken-s2 | bert_abs | failed", "not distinguishable", "## Claims",
+                 "the table has no rows beyond L", "## Cost"):
+        assert word in md, word
+    # the report from results/ alone (as merged from other machines)
+    merged = tmp_path / "merged"
+    shutil.copytree(text / "results", merged / "results")
+    rep2 = report.build(merged)
+    assert json.dumps(rep2["table"]) == json.dumps(rep["table"])
+    assert (merged / "report.md").read_text().replace(str(merged), "") == md.replace(
+        str(text), "")
+
+    # --- image: NoPE pending ("scheme not available"), resolution transfer, similarity maps
+    vit = tmp_path / "vit"
+    rep = json.loads((vit / "report.json").read_text())
+    manifest = json.loads((vit / "results" / "study.json").read_text())
+    _check_common(rep, manifest["cells"], ("vit", "deberta_v2"))
+    nope = [c for c in rep["cells"] if c["name"] == "nope"]
+    assert len(nope) == 2 and all(c["status"] == "pending" and "scheme not available"
+                                  in c["error"] for c in nope)
+    t = rep["transfer"]
+    assert {"56px bilinear", "56px bicubic", "56px finetuned"} <= set(t["vit"])
+    assert _finite(t["vit"]["56px bicubic"]["mean"]) and _finite(t["deberta_v2"]["56px as_is"]["mean"])
+    assert "position_similarity_vit.png" in rep["figures"]
+    assert (vit / "position_similarity_vit.png").stat().st_size > 0
+    verdicts = {c["claim"]: c for c in rep["claims"]}
+    assert any(c["verdict"] == "inconclusive" and "nope" in c["measured"]
+               for c in verdicts.values())
+
+
+def test_study_overrides_from_the_command_line():
+    from posjax.study.__main__ import apply_overrides
+
+    study = load_config_file(TEXT)
+    apply_overrides(study, ["--config.seeds=5", "--config.glue.tasks=['sst2']",
+                            "--config.title=paper scale"])
+    assert study.seeds == 5 and list(study.glue.tasks) == ["sst2"]
+    assert study.title == "paper scale"
+    with pytest.raises(StudyConfigError, match="no key 'sedes'"):
+        apply_overrides(study, ["--config.sedes=3"])
