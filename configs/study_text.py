@@ -4,8 +4,8 @@ pretrained encoder, length extrapolation, and synthetic position tasks (STUDY.md
     python -m posjax.study --config configs/study_text.py --workdir studies/text        # CPU scale
     python -m posjax.study --config configs/study_text.py:tiny --workdir /tmp/text      # the test
 
-Every cell is one line of ``cells``: (name, position scheme, model overrides). Adding a scheme
-(rope, alibi, nope, once posjax has them) is one more line. Paper scale is overrides:
+Every cell is one line of ``cells``: (name, position scheme, model overrides); adding a scheme
+is one more line (rope, alibi and nope are today's baselines). Paper scale is overrides:
 ``base`` -> configs/mlm_bert_a.py (BERT-base on Wikipedia), ``base_overrides`` empty,
 ``glue.config`` -> configs/glue_base.py, more seeds.
 """
@@ -34,6 +34,9 @@ def cells():
              model=dict(max_relative_positions=L, position_buckets=32, use_emd=True)),
         dict(name="deberta_v2_no_emd", scheme="deberta_v2",
              model=dict(max_relative_positions=L, position_buckets=32, use_emd=False)),
+        dict(name="rope", scheme="rope"),                                 # today's baselines
+        dict(name="alibi", scheme="alibi"),
+        dict(name="nope", scheme="nope"),
     ]
 
 

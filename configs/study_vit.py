@@ -7,8 +7,8 @@ fine-tune there); learned position-embedding similarity maps (STUDY.md).
     python -m posjax.study --config configs/study_vit.py --workdir studies/vit
     python -m posjax.study --config configs/study_vit.py:tiny --workdir /tmp/vit     # the test
 
-``nope`` (no positions) is listed with optional=True: until posjax has the scheme, the report
-marks it "scheme not available"; once it lands the same line runs it.
+Today's baselines join as lines of ``cells``: ``nope`` (no positions, the control),
+``sincos2d`` (big_vision's fixed table) and ``rope`` (2D axial RoPE).
 """
 import pathlib
 
@@ -29,7 +29,9 @@ def cells(max_grid: int):
         dict(name="tupe_r", scheme="tupe_r"),
         dict(name="deberta_v2", scheme="deberta_v2",
              model=dict(max_relative_positions=max_grid)),                 # fixed span: any grid
-        dict(name="nope", scheme="nope", optional=True),                   # NoPE control
+        dict(name="nope", scheme="nope"),                                  # NoPE control
+        dict(name="sincos2d", scheme="sincos2d"),                          # fixed 2D table
+        dict(name="rope", scheme="rope"),                                  # 2D axial RoPE
         dict(name="vit_hybrid", scheme="vit", model=dict(resnet_layers=(1,), resnet_width=32,
                                                          patch_size=1)),   # ResNet stem /4
     ]

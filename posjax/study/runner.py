@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from posjax.training import loop
+from posjax.training import trainer
+from posjax.training.errors import Diverged
 from posjax.training.metrics import read_metrics
 from posjax.training.tasks import make_task
 
-train = loop.train
-Diverged = loop.Diverged
+train = trainer.train
+__all__ = ["Diverged", "train"]
 
 
 def finished_eval(workdir: pathlib.Path, num_steps: int) -> dict[str, Any] | None:
@@ -62,13 +63,13 @@ def load_params(workdir: pathlib.Path) -> dict[str, Any]:
     """The latest checkpoint's params of a train.py workdir, as numpy arrays."""
     import orbax.checkpoint as ocp
 
-    from posjax.training import checkpoint as ckpt_lib
+    from posjax import checkpoint_io
 
     workdir = pathlib.Path(workdir).absolute()   # orbax reads absolute paths only
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
                    if p.name.isdigit() and (p / "state").is_dir())
     path = workdir / "checkpoints" / str(steps[-1]) / "state"
-    tree = ckpt_lib.read_metadata_tree(path)
+    tree = checkpoint_io.read_metadata_tree(path)
     item = {"params": tree["params"]}
     restore = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item,
                            is_leaf=lambda x: hasattr(x, "shape"))

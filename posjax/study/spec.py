@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 
 from posjax.models.config import TEXT_SCHEMES, VIT_SCHEMES, TextConfig, ViTConfig
-from posjax.training.state import SAME_FUNCTION_FIELDS
+from posjax.models.params import SAME_FUNCTION_FIELDS
 
 KINDS = ("text", "vit")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
