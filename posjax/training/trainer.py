@@ -32,6 +32,7 @@ from posjax.training import metrics as metrics_lib
 from posjax.training import processes
 from posjax.training import profiler
 from posjax.training import results
+from posjax.training import resume
 from posjax.training import run_config
 from posjax.training import run_setup
 from posjax.training import init_from as init_from_lib
@@ -108,10 +109,10 @@ def _stopped_in_set_up(run: run_setup.Run) -> TrainResult:
 
 def _start_state(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
                  ) -> tuple[state_lib.TrainState, int]:
-    latest = checkpointer.latest_step()
-    if latest is not None:
+    if (found := resume.restore_newest_intact(checkpointer, run.abstract, iterator)):
+        state, latest = found
         run_setup.print_main(run, f"resuming from {checkpointer.directory / str(latest)}")
-        return checkpointer.restore(latest, run.abstract, iterator), latest
+        return state, latest
     if run.config.init_from:
         processes.check_same_init_from(run.config.init_from)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
