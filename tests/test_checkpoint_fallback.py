@@ -19,7 +19,6 @@ import pytest
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import evaluator
 from posjax.training import integrity
-from posjax.training import resume
 from posjax.training import run_setup
 from posjax.training import trainer
 from posjax.training import workdir as workdir_lib
@@ -136,8 +135,3 @@ def test_eval_uses_the_newest_intact_step_and_names_it(straight, tmp_path, caplo
     assert (workdir / "checkpoints" / "6").is_dir()   # eval.py moves nothing
     with pytest.raises(ValueError, match=r"checkpoint .*/6 cannot be restored \(.*CRC-32"):
         evaluator.evaluate(config, workdir, step=6)
-
-
-def test_all_finite():
-    assert resume.all_finite({"a": np.ones(3), "b": np.arange(3)})
-    assert not resume.all_finite({"a": np.array([1.0, np.inf])})

@@ -15,22 +15,11 @@ import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from posjax.training import checkpoint as ckpt_lib
 from posjax.training import integrity
 from posjax.training import processes
-
-
-def all_finite(tree: Any) -> bool:
-    """Whether every floating-point leaf of ``tree`` (global arrays) is finite."""
-    leaves = [x for x in jax.tree_util.tree_leaves(tree)
-              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
-    if not leaves:
-        return True
-    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(
-        leaves))
+from posjax.training import state as state_lib
 
 
 def _attempt(checkpointer: ckpt_lib.Checkpointer, step: int, abstract: Any,
@@ -41,7 +30,7 @@ def _attempt(checkpointer: ckpt_lib.Checkpointer, step: int, abstract: Any,
         state = checkpointer.restore(step, abstract, data_iter)
     except ckpt_lib.DamagedStep as e:
         damage = e
-    if damage is None and not all_finite(state):
+    if damage is None and not state_lib.all_finite(state):
         damage = ckpt_lib.DamagedStep(
             step, "non-finite", f"checkpoint {checkpointer.directory / str(step)} holds "
             "non-finite values (NaN or inf) in its state")
