@@ -24,9 +24,9 @@ from posjax.training import trainer
 import test_multiprocess as mp
 
 NUM_STEPS = 24
-PEER_TIMEOUT_S = 5
+PEER_TIMEOUT_S = 10   # small, yet no false alarm on a loaded 2-core machine
 OVERRIDES = {**mp.OVERRIDES, "checkpoint.every_steps": 4, "num_steps": NUM_STEPS}
-SURVIVOR_LIMIT_S = PEER_TIMEOUT_S + 25   # the timeout, plus the abort and its stack dump
+SURVIVOR_LIMIT_S = PEER_TIMEOUT_S + 30   # the timeout, plus the abort and its stack dump
 
 _JAX_CACHE: dict[str, str] = {}
 
@@ -36,7 +36,8 @@ def jax_compilation_cache(tmp_path_factory) -> None:
     _JAX_CACHE.update(compilation_cache(tmp_path_factory.mktemp("jax_cache")))
 
 
-def _start(workdir: pathlib.Path, logs: list[pathlib.Path]) -> tuple[list, list]:
+def _start(workdir: pathlib.Path, logs: list[pathlib.Path],
+           peer_timeout_s: int = PEER_TIMEOUT_S) -> tuple[list, list]:
     port = mp._free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
@@ -45,7 +46,7 @@ def _start(workdir: pathlib.Path, logs: list[pathlib.Path]) -> tuple[list, list]
     for i, log in enumerate(logs):
         procs.append(subprocess.Popen(
             [sys.executable, "train.py", "--config", "configs/vit_digits.py:tiny", *flags,
-             f"--config.distributed.peer_timeout_s={PEER_TIMEOUT_S}",
+             f"--config.distributed.peer_timeout_s={peer_timeout_s}",
              f"--config.distributed.coordinator_address=127.0.0.1:{port}",
              f"--config.distributed.process_id={i}", f"--workdir={workdir}"],
             cwd=mp.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -93,7 +94,7 @@ def launch_and_hit(workdir, log_dir, name, victim, sig, after_step=None, mid_sav
 
 def finish(workdir, log_dir, name):
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
-    procs, copiers = _start(workdir, logs)
+    procs, copiers = _start(workdir, logs, peer_timeout_s=120)   # the default
     try:
         codes = [p.wait(timeout=300) for p in procs]
     finally:

@@ -172,6 +172,14 @@ def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
     return chosen, sorted({*steps, chosen})
 
 
+def _being_removed(checkpointer: ckpt_lib.Checkpointer, step: int, keep: int) -> bool:
+    """Whether ``step`` is gone, or being removed by a run's ``checkpoint.keep`` (as many
+    newer steps as it keeps are there)."""
+    steps = workdir_lib.saved_steps(checkpointer.directory.parent)
+    return (not (checkpointer.directory / str(step)).exists()
+            or 0 < keep <= sum(s > step for s in steps))
+
+
 def _older_intact(checkpointer: ckpt_lib.Checkpointer, step: int, latest: bool,
                   damage: ckpt_lib.DamagedStep, newest: ckpt_lib.DamagedStep | None) -> int:
     """The step to try after ``step`` was found damaged: the next older one, when eval.py
@@ -201,12 +209,13 @@ def _restore_for_eval(run: run_setup.Run, step: int, latest: bool) -> tuple[stat
                     try:
                         return checkpointer.restore(step, run.abstract), step
                     except ckpt_lib.DamagedStep as e:
+                        if _being_removed(checkpointer, step, keep):
+                            raise   # rotated out by a run training there: its newer step
                         step = _older_intact(checkpointer, step, latest, e, newest_damage)
                         newest_damage = newest_damage or e
             except ValueError:
                 steps = workdir_lib.saved_steps(run.workdir)
-                removed = (not (checkpointer.directory / str(step)).exists()
-                           or 0 < keep <= sum(s > step for s in steps))   # being removed
+                removed = _being_removed(checkpointer, step, keep)
                 if not removed or jax.process_count() > 1:   # processes would differ
                     raise
                 steps = [s for s in steps if s != step]
