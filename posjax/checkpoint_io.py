@@ -14,6 +14,7 @@ import sys
 import warnings
 from typing import Any, Callable, Iterator, TypeVar
 
+import jax
 import orbax.checkpoint as ocp
 
 from posjax.io_utils import error_summary
@@ -126,3 +127,36 @@ def read_item(directory: pathlib.Path, handler: Any, read: Callable[[Any], T]) -
                          "an interrupted copy), copy or convert it again") from e
     finally:
         handler.close()
+
+
+def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str]:
+    """How the ``params`` tree saved in ``state_dir`` (a step's ``state`` item) differs from
+    ``abstract_params`` (anything with shapes): parameters the model has and the checkpoint
+    lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
+    the checkpoint's metadata cannot be read (a damaged checkpoint)."""
+    try:
+        saved = read_metadata_tree(state_dir).get("params")
+    except ValueError:   # unreadable metadata: the restore's error says why
+        return []
+    if not isinstance(saved, dict):
+        return []
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+        return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+                for path, leaf in leaves[0]}
+
+    ours, theirs = shapes(abstract_params), shapes(saved)
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    out = []
+    if missing := sorted(set(ours) - set(theirs)):
+        out.append(f"not in the checkpoint: {few(missing)}")
+    if extra := sorted(set(theirs) - set(ours)):
+        out.append(f"not in the model: {few(extra)}")
+    if other := [f"{k} {theirs[k]} saved, {ours[k]} in the model"
+                 for k in sorted(set(ours) & set(theirs)) if ours[k] != theirs[k]]:
+        out.append(f"other shapes: {few(other)}")
+    return out
+
+

@@ -37,7 +37,14 @@ def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
         kwargs["num_processes"] = int(d.num_processes)
     if d.process_id >= 0:
         kwargs["process_id"] = int(d.process_id)
-    jax.distributed.initialize(**kwargs)
+    timeout = d.get("peer_timeout_s", 120)
+    if not (isinstance(timeout, (int, float)) and 1 <= timeout < 86400):
+        raise ValueError(f"distributed.peer_timeout_s={timeout!r} is not valid: give the "
+                         "seconds (at least 1, e.g. 120) after which a silent process counts "
+                         "as lost and every process stops")
+    # A process whose heartbeats stop for this long (dead host, hung or stopped process) is
+    # declared lost by JAX's coordination service, which then ends every other process.
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=max(int(timeout), 1))
 
 
 def _exit_finished(signum: int, frame: Any) -> None:
@@ -74,6 +81,8 @@ def run_command(action: Callable[[], T]) -> T:
             sys.exit(130)
         if isinstance(e, (ValueError, errors.Diverged, ckpt_lib.SaveFailed)):
             message = f"error: {e}"
+        elif several and (lost := errors.peer_lost_message(e)):
+            message = f"error: {lost}"
         elif not several:
             raise
         else:

@@ -58,7 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
         "checkpoint": {"every_steps": 500, "keep": 3, "async_save": True},
         "profile": {"first_step": 2, "num_steps": 0},   # device trace of steps (profiler.py)
         "distributed": {"enabled": False, "coordinator_address": "", "num_processes": 0,
-                        "process_id": -1},
+                        "process_id": -1,
+                        "peer_timeout_s": 120},   # a process silent this long: all stop
         "model": {},
         "data": {},
     })

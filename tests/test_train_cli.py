@@ -437,6 +437,14 @@ def test_a_save_that_fails_for_lack_of_space_is_one_error_naming_the_step(tmp_pa
     assert last.endswith("The checkpoints saved before are intact (the latest: step 2); fix the "
                          "storage, then start this run again to resume from there"), last
     assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    # Step 2 still matches its integrity record, and the half-written step 4 is never resumed.
+    from posjax.training import integrity
+    assert integrity.damage(workdir / "checkpoints" / "2") is None
+    assert (workdir / "checkpoints" / "2" / integrity.RECORD_FILE).is_file()
+    done = _run("train.py", *TINY, f"--workdir={workdir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resuming from {workdir / 'checkpoints' / '2'}" in done.stdout
+    assert "damaged" not in done.stderr and "final eval at step 6" in done.stdout
 
 
 def test_a_metrics_log_that_cannot_be_written_is_one_error(tmp_path):

@@ -559,17 +559,19 @@ def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(runs, tmp
 
 
 def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, monkeypatch):
-    """Data files cut short (a full disk, an interrupted copy): one ValueError naming the step
-    directory, the reader's reason and the older step to fall back on, for a resume and for
-    eval; and nothing else: none of the other failed reads is logged or printed after it."""
+    """Data files of every step cut short (a full disk, an interrupted copy): one ValueError
+    naming the newest step directory, the reader's reason and the older step, for a resume and
+    for eval; and nothing else: none of the other failed reads is logged or printed after it."""
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     steps = workdir_lib.saved_steps(workdir)
     assert len(steps) >= 2
-    for data in (workdir / "checkpoints" / str(steps[-1]) / "state").rglob("d/*"):
-        data.write_bytes(data.read_bytes()[:10])
+    for step in steps:   # every step: a resume falls back on an intact one (test_checkpoint_fallback)
+        for data in (workdir / "checkpoints" / str(step) / "state").rglob("d/*"):
+            data.write_bytes(data.read_bytes()[:10])
+        (workdir / "checkpoints" / str(step) / "integrity.json").unlink()   # found by the read
     pattern = (rf"checkpoint {workdir / 'checkpoints' / str(steps[-1])} cannot be restored "
                rf"\(.*(OUT_OF_RANGE|DATA_LOSS).*\)\. If it is damaged \(a full disk, an "
                rf"interrupted copy\), move it out of {workdir / 'checkpoints'} to use step "

@@ -25,9 +25,20 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from posjax import checkpoint_io
+from posjax.training import integrity
+from posjax.training import processes
 
 if TYPE_CHECKING:
     from posjax.training.stop_request import StopRequest
+
+
+class DamagedStep(ValueError):
+    """A saved step that cannot be restored: ``reason`` (missing, truncated, checksum,
+    unreadable, wrong-tree, non-finite) names it in ``<step>.damaged-<reason>``."""
+
+    def __init__(self, step: int, reason: str, message: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
 
 
 class SaveFailed(RuntimeError):
@@ -62,6 +73,13 @@ def _is_storage_error(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _process_0_view(check: Any) -> Any:
+    """``check()`` as process 0 sees it, on every process (one reads the files, the others
+    take its answer: a collective with several processes)."""
+    found = check() if jax.process_index() == 0 else None
+    return processes.gather(found)[0] if processes.several() else found
 
 
 class _OrbaxErrorsOnOneLine(logging.Filter):
@@ -124,7 +142,11 @@ class Checkpointer:
         return self.manager.should_save(step)
 
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
-        """Save if ``step`` is on the interval (or ``force``); returns whether it saved."""
+        """Save if ``step`` is on the interval (or ``force``); returns whether it saved. The
+        save before is waited for first (Orbax would wait too) and given its integrity
+        record."""
+        if self._pending is not None and (force or self.due(step)):
+            self.wait()
         with self._storage_failures(step):
             saved = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -189,7 +211,8 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
-        is set to the saved position in place."""
+        is set to the saved position in place. A step that does not match its integrity
+        record, holds another tree or cannot be read raises ``DamagedStep``."""
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iter is not None:
             items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
@@ -202,9 +225,12 @@ class Checkpointer:
                     f"checkpoint {path} holds input-iterator states for {', '.join(counts)} "
                     f"processes, not the current {jax.process_count()}: resume with the same "
                     "process count")
+        if found := _process_0_view(lambda: integrity.damage(path)):
+            raise DamagedStep(step, found[0], f"checkpoint {path} cannot be restored "
+                              f"({found[1]}). {self._way_out(step)}")
         # Before reading any array: a restore that fails on the tree leaves reads in flight.
-        if differences := param_differences(path / "state", abstract_state.params):
-            raise ValueError(
+        if differences := checkpoint_io.param_differences(path / "state", abstract_state.params):
+            raise DamagedStep(step, "wrong-tree",
                 f"checkpoint {path} holds the parameters of another model than config.model "
                 f"builds ({'; '.join(differences)}): it was saved with another config. Use "
                 "the config of the run that saved it (its config.json), or another "
@@ -213,18 +239,29 @@ class Checkpointer:
             with checkpoint_io.failures_reported_once(path):
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
-            others = [s for s in self.manager.all_steps() if s != step]
-            fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
-                        if others else "and delete metrics.jsonl to start over")
-            raise ValueError(
-                f"checkpoint {path} cannot be restored ({checkpoint_io.root_cause(e)}). If it is "
-                f"damaged (a full disk, an interrupted copy), move it out of {self.directory} "
-                f"{fallback}") from e
+            raise DamagedStep(step, "unreadable",
+                f"checkpoint {path} cannot be restored ({checkpoint_io.root_cause(e)}). "
+                f"{self._way_out(step)}") from e
         return restored["state"]
+
+    def _way_out(self, step: int) -> str:
+        others = [s for s in self.manager.all_steps() if s != step]
+        fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
+                    if others else "and delete metrics.jsonl to start over")
+        return (f"If it is damaged (a full disk, an interrupted copy), move it out of "
+                f"{self.directory} {fallback}")
+
+    def record_integrity(self, step: int | None) -> None:
+        """Process 0: write ``step``'s integrity record once Orbax has committed it."""
+        if step is not None and jax.process_index() == 0 and not self._failed:
+            path = self.directory / str(step)
+            if path.is_dir() and not integrity.has_record(path):
+                integrity.write_record(path)
 
     def wait(self) -> None:
         with self._storage_failures(None):
             self.manager.wait_until_finished()
+        self.record_integrity(self._pending)
         self._pending = None   # on disk
 
     def close(self) -> None:
@@ -254,36 +291,3 @@ class Checkpointer:
         reached, whichever processes got the signal. tests/test_multiprocess.py signals one
         of two processes."""
         return bool(self.stop and self.stop.requested) or self.manager.reached_preemption(step)
-
-
-def param_differences(state_dir: pathlib.Path, abstract_params: Any) -> list[str]:
-    """How the ``params`` tree saved in ``state_dir`` (a step's ``state`` item) differs from
-    ``abstract_params`` (anything with shapes): parameters the model has and the checkpoint
-    lacks, the reverse, and other shapes, a few names each. Empty when they agree, or when
-    the checkpoint's metadata cannot be read (a damaged checkpoint)."""
-    try:
-        saved = checkpoint_io.read_metadata_tree(state_dir).get("params")
-    except ValueError:   # unreadable metadata: the restore's error says why
-        return []
-    if not isinstance(saved, dict):
-        return []
-
-    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-        return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
-                for path, leaf in leaves[0]}
-
-    ours, theirs = shapes(abstract_params), shapes(saved)
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
-    out = []
-    if missing := sorted(set(ours) - set(theirs)):
-        out.append(f"not in the checkpoint: {few(missing)}")
-    if extra := sorted(set(theirs) - set(ours)):
-        out.append(f"not in the model: {few(extra)}")
-    if other := [f"{k} {theirs[k]} saved, {ours[k]} in the model"
-                 for k in sorted(set(ours) & set(theirs)) if ours[k] != theirs[k]]:
-        out.append(f"other shapes: {few(other)}")
-    return out
-
-

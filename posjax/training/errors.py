@@ -1,11 +1,12 @@
 """Errors a run ends with, in the user's terms: out of memory (``memory_advice``: what each
 device holds and which config keys make it fit) and divergence (``Diverged``: a NaN or inf is
-never saved)."""
+never saved), and a lost peer process (``peer_lost_message``)."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
+import re
 from typing import TYPE_CHECKING, Any, Iterator
 
 import jax
@@ -171,3 +172,25 @@ def diverged(step: int, what: str, checkpointer: ckpt_lib.Checkpointer,
                    f"stopped before saving that state: {kept}. Lower optimizer.learning_rate, "
                    "raise optimizer.warmup_steps or set optimizer.grad_clip_norm, and start "
                    "again in a new workdir (init_from can start it from a checkpoint)")
+
+
+# How a collective or the coordination service words a process that is gone (its TCP
+# connections reset, its heartbeats stopped).
+_PEER_LOST = re.compile(r"Gloo [\w-]+ failed|Connection (reset|closed) by peer|Socket closed|"
+                        r"missing heartbeats|heartbeat timeout|tasks? (has |have )?"
+                        r"(died|disconnected|unhealthy)|DEADLINE_EXCEEDED: Barrier", re.I)
+
+
+def peer_lost_message(error: BaseException) -> str | None:
+    """One line for an error that says another process of the run is gone (killed, its host
+    lost); None for any other error."""
+    seen = error
+    while seen is not None:
+        text = str(seen)
+        if _PEER_LOST.search(text):
+            cause = checkpoint_io.short_error(text)
+            return (f"a peer process was lost ({cause}); this process stops too. Start every "
+                    "process again (the same command): the run resumes from its last "
+                    "checkpoint")
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -173,6 +173,28 @@ def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
     return chosen, sorted({*steps, chosen})
 
 
+def _being_removed(checkpointer: ckpt_lib.Checkpointer, step: int, keep: int) -> bool:
+    """Whether ``step`` is gone, or being removed by a run's ``checkpoint.keep`` (as many
+    newer steps as it keeps are there)."""
+    steps = workdir_lib.saved_steps(checkpointer.directory.parent)
+    return (not (checkpointer.directory / str(step)).exists()
+            or 0 < keep <= sum(s > step for s in steps))
+
+
+def _older_intact(checkpointer: ckpt_lib.Checkpointer, step: int, latest: bool,
+                  damage: ckpt_lib.DamagedStep, newest: ckpt_lib.DamagedStep | None) -> int:
+    """The step to try after ``step`` was found damaged: the next older one, when eval.py
+    evaluates the newest intact step (no --step), with a warning naming the damage; else
+    (or when none is older) the newest damage is raised. Nothing is moved aside: a run may
+    be training in the workdir."""
+    older = [s for s in checkpointer.manager.all_steps() if s < step]
+    if not (latest and older) or damage.reason == "wrong-tree" and newest is None:
+        raise newest or damage
+    logging.warning("%s; evaluating step %d instead", str(damage).split(". If it is")[0],
+                    max(older))
+    return max(older)
+
+
 def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
                       ) -> tuple[state_lib.TrainState, int]:
     """The state at ``step``. A run training in the workdir may rotate that step out
@@ -181,14 +203,21 @@ def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
     keep = run.config.checkpoint.keep
     checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps, keep,
                                          create=False)
+    newest_damage: ckpt_lib.DamagedStep | None = None
     try:
         for _ in range(3):
             try:
-                return checkpointer.restore(step, run.abstract), step
+                while True:
+                    try:
+                        return checkpointer.restore(step, run.abstract), step
+                    except ckpt_lib.DamagedStep as e:
+                        if _being_removed(checkpointer, step, keep):
+                            raise   # rotated out by a run training there: its newer step
+                        step = _older_intact(checkpointer, step, latest, e, newest_damage)
+                        newest_damage = newest_damage or e
             except ValueError:
                 steps = workdir_lib.saved_steps(run.workdir)
-                removed = (not (checkpointer.directory / str(step)).exists()
-                           or 0 < keep <= sum(s > step for s in steps))   # being removed
+                removed = _being_removed(checkpointer, step, keep)
                 if not removed or jax.process_count() > 1:   # processes would differ
                     raise
                 steps = [s for s in steps if s != step]

@@ -83,10 +83,12 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(opt: Mapping[str, Any], num_steps: int
+def make_optimizer(opt: Mapping[str, Any], num_steps: int,
+                   schedule: optax.Schedule | None = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(clip ∘ optimizer, schedule) for ``config.optimizer``."""
-    schedule = learning_rate_schedule(opt, num_steps)
+    """(clip ∘ optimizer, schedule) for ``config.optimizer``; ``schedule``: another one than
+    ``learning_rate_schedule`` (a resumed run's, ``schedule_extension``)."""
+    schedule = schedule or learning_rate_schedule(opt, num_steps)
     parts = []
     if opt["grad_clip_norm"] > 0:
         parts.append(optax.clip_by_global_norm(float(opt["grad_clip_norm"])))

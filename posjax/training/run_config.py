@@ -31,11 +31,16 @@ OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps",
                     "profile", "data_root")
 
 
+# Keys a resumed run may change besides OPERATIONAL_KEYS: its length (a decaying learning-rate
+# schedule continues from the resumed step's value, ``schedule_extension``).
+RESUME_KEYS = OPERATIONAL_KEYS + ("num_steps",)
+
+
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data, and at which text length (length extrapolation:
 # relative schemes at any length; an absolute table has no rows beyond its own, which
 # text_tasks.check_text_model refuses). Every other key defines the model or its saved state.
-EVAL_KEYS = OPERATIONAL_KEYS + ("batch_size", "microbatches", "data.path",
+EVAL_KEYS = OPERATIONAL_KEYS + ("num_steps", "batch_size", "microbatches", "data.path",
                                 "data.data_dir", "data.glue_dir", "data.text_files",
                                 "data.tokenizer", "data.train_split", "data.test_split",
                                 "data.worker_count", "data.max_seq_length")

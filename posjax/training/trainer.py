@@ -34,7 +34,10 @@ from posjax.training import peak_flops
 from posjax.training import processes
 from posjax.training import profiler
 from posjax.training import results
+from posjax.training import resume
+from posjax.training import run_config
 from posjax.training import run_setup
+from posjax.training import schedule_extension
 from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
@@ -87,6 +90,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                 if run.is_main:
                     # Again: another run may have ended.
                     workdir_lib.check_workdir(run.workdir, config, run.data_identity)
+                    saved = (config_defaults.read_saved_config(run.workdir)
+                             if workdir_lib.saved_steps(run.workdir) else None)
+                    schedule_extension.note_resume(
+                        run.workdir, saved, config,
+                        workdir_lib.resume_changes(saved, config) if saved else [])
                     workdir_lib.write_json(run.workdir / config_defaults.CONFIG_FILE,
                                            workdir_lib.config_to_save(run.workdir, config))
                     workdir_lib.write_data_identity(run.workdir, run.data_identity)
@@ -110,10 +118,10 @@ def _stopped_in_set_up(run: run_setup.Run) -> TrainResult:
 
 def _start_state(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
                  ) -> tuple[state_lib.TrainState, int]:
-    latest = checkpointer.latest_step()
-    if latest is not None:
+    if (found := resume.restore_newest_intact(checkpointer, run.abstract, iterator)):
+        state, latest = found
         run_setup.print_main(run, f"resuming from {checkpointer.directory / str(latest)}")
-        return checkpointer.restore(latest, run.abstract, iterator), latest
+        return state, latest
     if run.config.init_from:
         processes.check_same_init_from(run.config.init_from)
     state = state_lib.init_state(run.task, run.model, run.tx, run.mesh, run.shardings,
@@ -131,6 +139,7 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
+    run = schedule_extension.on_resume(run, start)   # another num_steps: lr continues
     if checkpointer.stop and checkpointer.stop.begin_steps():   # nothing new to save
         return _stopped_in_set_up(run)
     train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,

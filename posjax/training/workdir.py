@@ -57,14 +57,26 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
                          f"{config_defaults.CONFIG_FILE} (the "
                          "run's config): restore it from a copy to resume, or use a new "
                          "--workdir")
-    diffs = run_config.config_differences(run_config.with_model_defaults(saved),
-                               run_config.with_model_defaults(config_defaults.config_dict(config)))
+    saved_full = run_config.with_model_defaults(saved)
+    current = run_config.with_model_defaults(config_defaults.config_dict(config))
+    diffs = run_config.config_differences(saved_full, current, run_config.RESUME_KEYS)
     if diffs:
+        free = resume_changes(saved, config)
         raise ValueError(
             f"workdir {str(workdir)!r} holds a run with another config; refusing to "
             "overwrite it. Differences:\n  " + "\n  ".join(diffs[:20])
+            + ("\n(besides these, which may change on resume: " + "; ".join(free) + ")"
+               if free else "")
             + "\nUse a new --workdir (or delete this one to start over).")
     check_data_identity(workdir, config, data_identity or {})
+
+
+def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
+    """'key: saved -> current' for the keys a resume may change (``run_config.RESUME_KEYS``)
+    that do change; ``distributed`` (per process) and ``init_from`` (kept) left out."""
+    changes = run_config.config_differences(saved, run_config.config_dict(config), ())
+    return [c for c in changes if run_config.under(c.split(":")[0], run_config.RESUME_KEYS)
+            and not run_config.under(c.split(":")[0], ("distributed", "init_from"))]
 
 
 def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict,

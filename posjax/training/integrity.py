@@ -1,0 +1,104 @@
+"""Integrity of a saved step: a record of its files (``RECORD_FILE``: size and CRC-32 of
+each), written by process 0 once Orbax has committed the step, and checked before the step is
+restored (``damage``), so that a file cut short, lost or silently changed on the storage (bit
+rot) is found before its bytes reach the model. A step found damaged is moved aside
+(``move_aside``: renamed ``<step>.damaged-<reason>``, never deleted): Orbax's step listing
+reads only names that are a step number, so neither a resume nor ``checkpoint.keep`` sees it.
+
+A step saved before the record existed, or by a run killed between the commit and the record,
+has none: its files are then checked only by the restore itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import zlib
+
+RECORD_FILE = "integrity.json"
+_CHUNK = 1 << 22
+
+
+def _crc32(path: pathlib.Path) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != RECORD_FILE)
+
+
+def describe(step_dir: pathlib.Path) -> dict[str, dict[str, object]]:
+    """{relative path: {"size", "crc32"}} of every file under ``step_dir`` but the record."""
+    return {str(p.relative_to(step_dir)): {"size": p.stat().st_size, "crc32": _crc32(p)}
+            for p in _files(step_dir)}
+
+
+def write_record(step_dir: pathlib.Path) -> None:
+    """Record ``step_dir``'s files (atomically: a record cut short is no record). A step that
+    is gone meanwhile (rotated out by ``checkpoint.keep``) or a storage failure is logged and
+    skipped: the step is still checked by its restore."""
+    record = step_dir / RECORD_FILE
+    temporary = step_dir / f".{RECORD_FILE}.tmp"
+    try:
+        text = json.dumps({"files": describe(step_dir)}, indent=1, sort_keys=True)
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, record)
+    except FileNotFoundError:   # rotated out meanwhile
+        return
+    except OSError as e:
+        logging.warning("no integrity record for %s (%s): its files are checked only when "
+                        "it is restored", step_dir, e.strerror or e)
+        if step_dir.exists():
+            temporary.unlink(missing_ok=True)
+
+
+def has_record(step_dir: pathlib.Path) -> bool:
+    return (step_dir / RECORD_FILE).is_file()
+
+
+def damage(step_dir: pathlib.Path) -> tuple[str, str] | None:
+    """(reason, detail) when ``step_dir`` does not match its record: reason is one of
+    "missing" (a recorded file is gone), "truncated" (another size), "checksum" (same size,
+    other bytes), "unreadable" (the record itself or a file cannot be read); None when it
+    matches, or has no record."""
+    record = step_dir / RECORD_FILE
+    if not record.exists():
+        return None
+    try:
+        files = json.loads(record.read_text())["files"]
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        return "unreadable", f"its {RECORD_FILE} cannot be read ({e})"
+    for name, expected in sorted(files.items()):
+        path = step_dir / name
+        try:
+            size = path.stat().st_size
+            if size != expected["size"]:
+                return "truncated", f"{name} holds {size} bytes, {expected['size']} were saved"
+            if _crc32(path) != expected["crc32"]:
+                return "checksum", f"{name} does not hold the bytes saved (CRC-32 differs)"
+        except FileNotFoundError:
+            return "missing", f"{name} is missing"
+        except OSError as e:
+            return "unreadable", f"{name} cannot be read ({e.strerror or e})"
+    return None
+
+
+def move_aside(step_dir: pathlib.Path, reason: str) -> pathlib.Path:
+    """Rename ``step_dir`` to ``<step>.damaged-<reason>`` (``-2``, ``-3``, ... when taken)
+    and return the new path."""
+    target = step_dir.with_name(f"{step_dir.name}.damaged-{reason}")
+    n = 2
+    while os.path.lexists(target):
+        target = step_dir.with_name(f"{step_dir.name}.damaged-{reason}-{n}")
+        n += 1
+    step_dir.rename(target)
+    return target

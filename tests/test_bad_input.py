@@ -1,0 +1,244 @@
+"""Malformed input, one table: each case is refused with one ValueError that names the field or
+file at fault (and says what to do), before anything is written: the workdir's tree (names,
+sizes, mtimes) is the same after the refused run as before. The checks themselves live where
+they belong (run_config, optim, the model configs, the data readers, workdir, init_from_checks,
+cli); this table gathers one case per kind of mistake.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from posjax import cli
+from posjax.training import evaluator
+from posjax.training import run_config
+from posjax.training import trainer
+
+import test_training_synthetic as syn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+VOCAB = SHARED / "bert-base-uncased-vocab" / "vocab.txt"
+
+
+def recipe(path: str, variant: str):
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / "configs" / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+def tiny(**overrides):
+    return syn.tiny_config(**overrides)
+
+
+# ------------------------------------------------------------------------------ the cases
+# Each builds (config, workdir) in ``tmp`` and returns them; ``train``: whether train.py
+# (else eval.py) refuses it.
+
+def _npz_images(tmp, image, label):
+    folder = tmp / "npz"
+    folder.mkdir()
+    for split in ("train", "test"):
+        np.savez(folder / f"{split}.npz", image=image, label=label)
+    config = recipe("vit_cifar10.py", "")
+    config.data.update(path=str(folder), train_split="train", test_split="test", image_size=8,
+                       mean=(0.5,), std=(0.5,))
+    config.model.update(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
+                        num_heads=2, num_layers=1, mlp_dim=32, num_classes=4)
+    config.batch_size, config.num_steps, config.optimizer.warmup_steps = 8, 2, 0
+    return config
+
+
+def _text(tmp, content: bytes, vocab: bytes | None = None):
+    path = tmp / "corpus.txt"
+    path.write_bytes(content)
+    config = recipe("mlm_bert_a.py", "tiny")
+    config.data.text_files = {"train": str(path), "valid": str(path)}
+    config.data.update(train_split="train", test_split="valid")
+    if vocab is not None:
+        (tmp / "vocab.txt").write_bytes(vocab)
+        config.data.tokenizer = str(tmp / "vocab.txt")
+    return config
+
+
+def _glue(tmp, train_tsv: str):
+    folder = tmp / "glue" / "SST-2"
+    folder.mkdir(parents=True)
+    (folder / "train.tsv").write_text(train_tsv)
+    (folder / "dev.tsv").write_text("sentence\tlabel\ngood .\t1\nbad .\t0\n")
+    config = recipe("glue_tiny.py", "sst2")
+    config.data.glue_dir = str(tmp / "glue")
+    return config
+
+
+_DONOR: list[pathlib.Path] = []
+
+
+def _donor_run(tmp, edit=None):
+    """A copy of a finished 2-step run of a wider model (trained once per session), its
+    config.json's model section edited by ``edit``; the config to start from it."""
+    if not _DONOR:
+        _DONOR.append(tmp.parent / "donor_run")
+        trainer.train(tiny(**{"model.hidden_size": 24, "model.mlp_dim": 40, "num_steps": 2}),
+                      _DONOR[0])
+    copy = tmp / "other_run"
+    shutil.copytree(_DONOR[0], copy)
+    if edit:
+        saved = json.loads((copy / "config.json").read_text())
+        edit(saved["model"])
+        (copy / "config.json").write_text(json.dumps(saved))
+    return tiny(init_from=str(copy))
+
+
+def _scheme_field_on_another_scheme(tmp):
+    config = recipe("mlm_bert_a.py", "tiny")
+    config.model.use_emd = True
+    return config
+
+
+def _truncated_npz(tmp):
+    path = tmp / "vit.npz"
+    np.savez(path, **{"Transformer/encoderblock_0/x": np.zeros(1000, np.float32)})
+    path.write_bytes(path.read_bytes()[:300])
+    return tiny(init_from=str(path))
+
+
+def _truncated_safetensors(tmp):
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (folder / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    return tiny(init_from=str(folder))
+
+
+CASES = {
+    # configs
+    "unknown key": (lambda t: tiny(num_step=3), "'num_step'"),
+    "zero num_steps": (lambda t: tiny(num_steps=0), "num_steps=0"),
+    "negative batch_size": (lambda t: tiny(batch_size=-16), "batch_size=-16"),
+    "zero log_every_steps": (lambda t: tiny(log_every_steps=0), "log_every_steps=0"),
+    "negative eval_batch_size": (lambda t: tiny(eval_batch_size=-1), "eval_batch_size=-1"),
+    "zero checkpoint interval": (lambda t: tiny(**{"checkpoint.every_steps": 0}),
+                                 "checkpoint.every_steps=0"),
+    "negative checkpoint.keep": (lambda t: tiny(**{"checkpoint.keep": -1}),
+                                 "checkpoint.keep=-1"),
+    "zero learning rate": (lambda t: tiny(**{"optimizer.learning_rate": 0.0}),
+                           "optimizer.learning_rate=0.0"),
+    "unknown optimizer": (lambda t: tiny(**{"optimizer.name": "lamb"}), "optimizer.name='lamb'"),
+    "warmup past the end": (lambda t: tiny(**{"optimizer.warmup_steps": 6}),
+                            "optimizer.warmup_steps=6"),
+    "NaN weight decay": (lambda t: tiny(**{"optimizer.weight_decay": float("nan")}),
+                         "optimizer.weight_decay=nan"),
+    "heads not dividing width": (lambda t: tiny(**{"model.num_heads": 3}), "num_heads=3"),
+    "zero layers": (lambda t: tiny(**{"model.num_layers": 0}), "num_layers=0"),
+    "scheme field on the wrong scheme": (_scheme_field_on_another_scheme, "use_emd"),
+    "patch not dividing the image": (lambda t: tiny(**{"model.patch_size": 3}), "patch_size"),
+    "batch not divisible by data parallel": (lambda t: tiny(batch_size=12), "batch_size=12"),
+    "mesh bigger than the devices": (lambda t: tiny(**{"mesh.data": 16}), "mesh"),
+    "negative peak_flops": (lambda t: tiny(peak_flops=-1.0), "peak_flops=-1.0"),
+    # data
+    "images with another channel count": (lambda t: _npz_images(
+        t, np.zeros((16, 8, 8, 3), np.uint8), np.arange(16) % 4), "channel"),
+    "images of float dtype": (lambda t: _npz_images(
+        t, np.zeros((16, 8, 8, 1), np.complex64), np.arange(16) % 4), "image"),
+    "image labels out of range": (lambda t: _npz_images(
+        t, np.zeros((16, 8, 8, 1), np.uint8), np.arange(16)), "model.num_classes=4"),
+    "empty text file": (lambda t: _text(t, b""), "data.test_split='valid'"),
+    "text that is not UTF-8": (lambda t: _text(t, "caf\xe9 au lait\n".encode("latin-1")),
+                               "corpus.txt: line 1"),
+    "empty vocabulary": (lambda t: _text(t, b"some words\n", vocab=b""), "vocab.txt"),
+    "GLUE TSV without its label column": (lambda t: _glue(t, "sentence\ngood .\nbad .\n"),
+                                          "train.tsv"),
+    "GLUE label out of range": (lambda t: _glue(t, "sentence\tlabel\ngood .\t7\nbad .\t9\n"),
+                                "train.tsv"),
+    # weights
+    "weights config missing a field": (
+        lambda t: _donor_run(t, lambda m: m.pop("hidden_size")), "config.json"),
+    "weights config contradicting itself": (
+        lambda t: _donor_run(t, lambda m: m.update(num_heads=5)), "config.json there"),
+    "a run of another model": (_donor_run, "init_from"),
+    "truncated npz": (_truncated_npz, "vit.npz"),
+    "truncated safetensors": (_truncated_safetensors, "hf"),
+}
+
+
+def _tree(path: pathlib.Path) -> dict[str, tuple[int, int]]:
+    """{relative name: (size, mtime_ns)} of everything under ``path`` (itself included)."""
+    if not path.exists():
+        return {}
+    out = {".": (0, path.stat().st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = pathlib.Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(path))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_refused_naming_the_culprit_and_writes_nothing(name, tmp_path):
+    if "GLUE" in name or "text" in name or "vocabulary" in name or "scheme" in name:
+        if not VOCAB.exists():
+            pytest.skip(f"{VOCAB} is absent")
+    build, culprit = CASES[name]
+    try:
+        config = build(tmp_path)
+    except ValueError as e:   # refused while the config is built (the model config's checks)
+        assert culprit in str(e), str(e)
+        return
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    (workdir / "keep.txt").write_text("a file the run must leave alone")
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        trainer.train(config, workdir)
+    message = str(refused.value)
+    assert culprit in message, message
+    assert _tree(tmp_path) == before, f"{name}: the refused run changed files"
+
+
+WORKDIR_CASES = {
+    "a file where the workdir should be": (lambda t: t / "file", "file", "is a file"),
+    "a file where checkpoints/ should be": (lambda t: t / "run", "run/checkpoints", "checkpoints"),
+    "a file where tensorboard/ should be": (lambda t: t / "run", "run/tensorboard", "tensorboard"),
+    "a workdir that is not writable": (lambda t: pathlib.Path("/proc/posjax_run"), None,
+                                       "not writable"),
+    "a damaged config.json beside checkpoints": (lambda t: t / "run", "run/config.json",
+                                                 "config.json"),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKDIR_CASES))
+def test_bad_workdir_is_refused_and_left_alone(name, tmp_path):
+    workdir_of, a_file, culprit = WORKDIR_CASES[name]
+    workdir = workdir_of(tmp_path)
+    if a_file:
+        (tmp_path / a_file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / a_file).write_text("{not json")
+    if "config.json" in name:
+        (workdir / "checkpoints" / "2").mkdir(parents=True)
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match=culprit):
+        trainer.train(tiny(), workdir if "workdir" not in name or "not" in name
+                      else workdir / "run")
+    assert _tree(tmp_path) == before
+
+
+def test_bad_peer_timeout_is_refused_before_jax_starts():
+    config = tiny(**{"distributed.enabled": True, "distributed.peer_timeout_s": 0})
+    with pytest.raises(ValueError, match=r"distributed.peer_timeout_s=0 is not valid"):
+        cli.maybe_initialize_distributed(config)
+
+
+def test_eval_of_a_workdir_without_checkpoints_names_it(tmp_path):
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match="has no checkpoints/"):
+        evaluator.evaluate(tiny(), tmp_path)
+    assert _tree(tmp_path) == before

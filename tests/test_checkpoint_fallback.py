@@ -1,0 +1,137 @@
+"""A damaged newest checkpoint does not stop a resume: it is moved aside
+(``<step>.damaged-<reason>``) with one warning, and the run resumes from the newest intact step
+and ends as an undisturbed run does. Each step carries an integrity record (sizes, CRC-32s)
+written after its commit, so a file cut short, gone or silently changed is found. eval.py
+evaluates the newest intact step and names it. Only when no step is intact does a resume stop
+(tests/test_training_runs.py: ``test_a_damaged_checkpoint_is_named_with_the_way_out``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from posjax.training import checkpoint as ckpt_lib
+from posjax.training import evaluator
+from posjax.training import integrity
+from posjax.training import run_setup
+from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
+
+import test_training_synthetic as syn
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An undisturbed run: steps 2, 4, 6 saved; its final eval."""
+    config = syn.tiny_config()
+    workdir = tmp_path_factory.mktemp("fallback") / "straight"
+    result = trainer.train(config, workdir)
+    return config, workdir, result
+
+
+def _copy(workdir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy)
+    return copy
+
+
+def _largest_file(step_dir):
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def test_every_saved_step_carries_an_integrity_record(straight):
+    _, workdir, _ = straight
+    for step in (2, 4, 6):
+        step_dir = workdir / "checkpoints" / str(step)
+        record = json.loads((step_dir / integrity.RECORD_FILE).read_text())["files"]
+        assert record == integrity.describe(step_dir)
+        assert any(name.startswith("state/") for name in record)
+        assert any(name.startswith("data_iter/") for name in record)
+
+
+def _damage_truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _damage_flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, reason", [(_damage_truncate, "truncated"),
+                                            (_damage_flip, "checksum"),
+                                            (lambda p: p.unlink(), "missing")])
+def test_a_damaged_newest_step_is_moved_aside_and_the_run_resumes_from_the_one_before(
+        straight, tmp_path, caplog, damage, reason):
+    config, straight_dir, straight_result = straight
+    workdir = _copy(straight_dir, tmp_path)
+    (workdir / "checkpoints" / "eval_6_test.json").unlink()
+    damage(_largest_file(workdir / "checkpoints" / "6"))
+    with caplog.at_level(logging.WARNING):
+        result = trainer.train(config, workdir)
+    assert result.start == 4 and result.step == 6 and not result.preempted
+    aside = workdir / "checkpoints" / f"6.damaged-{reason}"
+    assert aside.is_dir()
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()
+                or "moved aside" in r.getMessage()]
+    assert len(warnings) == 1 and f"moved aside to {aside}; using step 4 instead" in warnings[0]
+    assert workdir_lib.saved_steps(workdir) == [2, 4, 6]   # the listing ignores the aside
+    assert result.eval == pytest.approx(straight_result.eval, abs=1e-6)
+
+
+def test_a_step_with_non_finite_values_is_moved_aside(straight, tmp_path, caplog):
+    """A step whose saved state holds a NaN (written and recorded as such: no damage of the
+    files) is not resumed from."""
+    config, straight_dir, straight_result = straight
+    workdir = _copy(straight_dir, tmp_path)
+    (workdir / "checkpoints" / "eval_6_test.json").unlink()
+    run = run_setup.prepare(config, workdir, training=False)
+    checkpointer = ckpt_lib.Checkpointer(workdir, 2, 0)
+    pipe = run.make_pipeline("train", config.batch_size, True)
+    state = checkpointer.restore(6, run.abstract, pipe.iterator)
+    poisoned = state.replace(params=jax.tree_util.tree_map(lambda x: x * np.nan, state.params))
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    checkpointer.manager.reload()
+    checkpointer.save(6, poisoned, pipe.iterator, force=True)
+    checkpointer.close()
+    pipe.iterator.close()
+    assert integrity.damage(workdir / "checkpoints" / "6") is None   # recorded as written
+    with caplog.at_level(logging.WARNING):
+        result = trainer.train(config, workdir)
+    assert result.start == 4 and (workdir / "checkpoints" / "6.damaged-non-finite").is_dir()
+    assert result.eval == pytest.approx(straight_result.eval, abs=1e-6)
+
+
+def test_a_moved_aside_step_survives_checkpoint_keep(straight, tmp_path):
+    """keep=1 rotates every older step out, but never the aside one (Orbax lists only
+    step-number names)."""
+    config, straight_dir, _ = straight
+    workdir = _copy(straight_dir, tmp_path)
+    _damage_truncate(_largest_file(workdir / "checkpoints" / "6"))
+    config = syn.tiny_config(**{"num_steps": 10, "checkpoint.keep": 1})
+    trainer.train(config, workdir)
+    names = sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["10", "6.damaged-truncated"]
+    assert ocp.utils.checkpoint_steps(workdir / "checkpoints") == [10]
+
+
+def test_eval_uses_the_newest_intact_step_and_names_it(straight, tmp_path, caplog):
+    config, straight_dir, _ = straight
+    workdir = _copy(straight_dir, tmp_path)
+    _damage_flip(_largest_file(workdir / "checkpoints" / "6"))
+    with caplog.at_level(logging.WARNING):
+        result = evaluator.evaluate(config, workdir)
+    assert result["step"] == 4
+    assert any("evaluating step 4 instead" in r.getMessage() and "CRC-32" in r.getMessage()
+               for r in caplog.records)
+    assert (workdir / "checkpoints" / "6").is_dir()   # eval.py moves nothing
+    with pytest.raises(ValueError, match=r"checkpoint .*/6 cannot be restored \(.*CRC-32"):
+        evaluator.evaluate(config, workdir, step=6)
