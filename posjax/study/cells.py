@@ -25,10 +25,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from posjax.models.schemes import SCHEMES, absolute_rows, scheme_of
 from posjax.study import analysis, runner, synthetic
 from posjax.study.spec import Cell, load_config_file, set_dotted
-
-RELATIVE_READERS = ("deberta", "deberta_v2")   # no absolute table unless position_biased_input
 
 
 def cell_dir(root: pathlib.Path, cell_id: str, stage: str = "") -> pathlib.Path:
@@ -103,7 +102,7 @@ def synth_config(study: Any, main: ml_collections.ConfigDict, task: str, length:
     model["vocab_size"] = synthetic.vocab_size(data)
     if model.get("max_position_embeddings", 0):
         model["max_position_embeddings"] = length
-    if model["position_scheme"] in RELATIVE_READERS:
+    if SCHEMES[model["position_scheme"]].disentangled:
         model["max_relative_positions"] = length
     with config.ignore_type():
         config.task = synthetic.PositionSynth.name
@@ -126,10 +125,9 @@ def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.
 
 def table_rows(model: dict[str, Any]) -> int:
     """Positions the model can read: its absolute table's rows, or 0 for none (unbounded)."""
-    scheme = model["position_scheme"]
-    reads_table = (scheme not in RELATIVE_READERS or model.get("position_biased_input", True)
-                   or model.get("use_emd", False))
-    return int(model.get("max_position_embeddings", 0)) if reads_table else 0
+    from posjax.models.config import TextConfig
+
+    return absolute_rows(TextConfig.from_dict(model))
 
 
 def length_results(config: ml_collections.ConfigDict, params: Any, length: int,
@@ -274,7 +272,7 @@ def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: 
         ids = np.asarray(batch["input_ids"][0, :length])
         for k, v in analysis.bert_terms(params, ids, model.num_heads).items():
             arrays[f"bert_terms/{k}"] = v
-    if model.position_scheme in ("tupe_a", "tupe_r"):
+    if scheme_of(model).untied and "mixed" not in scheme_of(model).terms:   # TUPE-A/R
         maps, labels = analysis.tupe_position_maps(params, model, length)
         arrays["tupe_maps"] = maps
         arrays["tupe_labels"] = np.array(labels)
