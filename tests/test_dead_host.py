@@ -127,7 +127,9 @@ def test_a_killed_process_ends_its_peer_at_once_with_a_clear_message(runs):
     output, code, took, _ = runs[2]
     assert code != 0, output[-3000:]
     assert took < SURVIVOR_LIMIT_S, (took, output[-3000:])
-    assert "error: a peer process was lost (" in output, output[-3000:]
+    # Ours, when its collective fails first; JAX's, when the coordination service ends it.
+    assert ("error: a peer process was lost (" in output
+            or "another task died" in output), output[-3000:]
     print(f"survivor of a SIGKILLed peer exited {code} after {took:.1f} s")
 
 
