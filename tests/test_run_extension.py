@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from posjax import config_defaults
 from posjax.training import optim
 from posjax.training import run_config
 from posjax.training import schedule_extension as ext
@@ -71,7 +72,7 @@ def test_a_run_resumed_with_more_steps_continues_its_schedule(tmp_path, capsys):
     assert result.start == 4 and result.step == 10 and not result.preempted
     assert ("resumed with a changed config (config.json updated): checkpoint.keep: 0 -> 2; "
             "eval_every_steps: 0 -> 4; log_every_steps: 1 -> 2; num_steps: 6 -> 10") in out
-    saved = json.loads((workdir / run_config.CONFIG_FILE).read_text())
+    saved = json.loads((workdir / config_defaults.CONFIG_FILE).read_text())
     assert saved["num_steps"] == 10 and saved["checkpoint"]["keep"] == 2
     assert json.loads((workdir / ext.SCHEDULE_FILE).read_text()) == {"segments": [[0, 6],
                                                                                    [4, 10]]}
@@ -100,7 +101,7 @@ def test_a_run_resumed_with_more_steps_continues_its_schedule(tmp_path, capsys):
 def test_keys_that_change_what_a_checkpoint_means_stay_refused(tmp_path, key, value):
     workdir = tmp_path / "run"
     (workdir / "checkpoints" / "2").mkdir(parents=True)
-    (workdir / run_config.CONFIG_FILE).write_text(
-        json.dumps(run_config.config_dict(syn.tiny_config())))
+    (workdir / config_defaults.CONFIG_FILE).write_text(
+        json.dumps(config_defaults.config_dict(syn.tiny_config())))
     with pytest.raises(ValueError, match=rf"holds a run with another config(.|\n)*{key}: "):
         trainer.train(syn.tiny_config(**{key: value, "num_steps": 9}), workdir)

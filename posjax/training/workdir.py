@@ -74,7 +74,7 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
 def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
     """'key: saved -> current' for the keys a resume may change (``run_config.RESUME_KEYS``)
     that do change; ``distributed`` (per process) and ``init_from`` (kept) left out."""
-    changes = run_config.config_differences(saved, run_config.config_dict(config), ())
+    changes = run_config.config_differences(saved, config_defaults.config_dict(config), ())
     return [c for c in changes if run_config.under(c.split(":")[0], run_config.RESUME_KEYS)
             and not run_config.under(c.split(":")[0], ("distributed", "init_from"))]
 
