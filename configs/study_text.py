@@ -105,8 +105,11 @@ def get_config(variant: str = ""):
                                 "log_every_steps": 50, "checkpoint.every_steps": 300,
                                 "optimizer.warmup_steps": 30, "optimizer.learning_rate": 2e-3})})
     s.analysis = True
+    # Cost: every entry's train step timed side by side in one process (posjax/study/cost.py).
+    s.cost = ml_collections.ConfigDict({"rounds": 7, "steps": 5})
     if variant == "tiny":
         s.seeds = 2
+        s.cost = ml_collections.ConfigDict({"rounds": 2, "steps": 1})
         s.follow_up_seeds = 1   # GLUE, synthetic tasks and extrapolation: seed 1 only
         s.cells = [c for c in cells() if c["name"] in ("bert_abs", "tupe_a", "deberta_v2_no_emd")]
         s.claims = [c for c in claims() if {c["a"], c["b"]} <= {"bert_abs", "tupe_a"}]

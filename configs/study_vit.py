@@ -91,8 +91,11 @@ def get_config(variant: str = ""):
     s.transfer = ml_collections.ConfigDict({
         "sizes": sizes, "methods": ["bilinear", "bicubic"], "finetune_steps": 50,
         "max_batches": max_batches, "finetune_overrides": overrides(ft)})
+    # Cost: every entry's train step timed side by side in one process (posjax/study/cost.py).
+    s.cost = ml_collections.ConfigDict({"rounds": 7, "steps": 5})
     if variant == "tiny":
         s.seeds = 2
+        s.cost = ml_collections.ConfigDict({"rounds": 2, "steps": 1})
         s.follow_up_seeds = 1   # resolution transfer: seed 1 only
         s.cells = [c for c in s.cells if c["name"] in ("vit", "deberta_v2", "nope")]
         s.claims = [c for c in s.claims if {c["a"], c["b"]} <= {"vit", "nope"}]

@@ -11,14 +11,11 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from jax_env import compilation_cache, xla_flags
+from jax_env import compilation_cache
 from posjax.training import trainer
 
 import test_multiprocess as mp
@@ -38,22 +35,9 @@ def jax_compilation_cache(tmp_path_factory) -> None:
 
 def _start(workdir: pathlib.Path, logs: list[pathlib.Path],
            peer_timeout_s: int = PEER_TIMEOUT_S) -> tuple[list, list]:
-    port = mp._free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
     flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **mp.MULTI}.items()]
-    procs, copiers = [], []
-    for i, log in enumerate(logs):
-        procs.append(subprocess.Popen(
-            [sys.executable, "train.py", "--config", "configs/vit_digits.py:tiny", *flags,
-             f"--config.distributed.peer_timeout_s={peer_timeout_s}",
-             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-             f"--config.distributed.process_id={i}", f"--workdir={workdir}"],
-            cwd=mp.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        copiers.append(threading.Thread(target=mp._copy_lines,
-                                        args=(procs[-1].stdout, log.open("wb"))))
-        copiers[-1].start()
-    return procs, copiers
+    return mp.start(workdir, logs, "configs/vit_digits.py:tiny",
+                    [*flags, f"--config.distributed.peer_timeout_s={peer_timeout_s}"])
 
 
 def launch_and_hit(workdir, log_dir, name, victim, sig, after_step=None, mid_save=False):
@@ -83,26 +67,13 @@ def launch_and_hit(workdir, log_dir, name, victim, sig, after_step=None, mid_sav
         code = survivor.wait(timeout=300)
         took = time.monotonic() - hit
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for copier in copiers:
-            copier.join(timeout=60)
+        mp.stop_all(procs, copiers)
     return logs[1 - victim].read_text(), code, took, during_save
 
 
 def finish(workdir, log_dir, name):
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
-    procs, copiers = _start(workdir, logs, peer_timeout_s=120)   # the default
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for copier in copiers:
-            copier.join(timeout=60)
+    codes = mp.wait_all(*_start(workdir, logs, peer_timeout_s=120))   # the default timeout
     return [(log.read_text(), code) for log, code in zip(logs, codes)]
 
 

@@ -34,7 +34,7 @@ BAD_CONFIGS = {
     "EMD without absolute positions": (
         TextConfig, dict(position_scheme="deberta", use_emd=True, position_biased_input=False,
                          max_position_embeddings=0),
-        ["use_emd=True", "max_position_embeddings > 0"]),
+        ["max_position_embeddings=0", "must be > 0", "with use_emd=True reads an absolute table"]),
     "EMD outside DeBERTa": (TextConfig, dict(position_scheme="tupe_a", use_emd=True),
                             ["use_emd=True", "deberta"]),
     "a string for a number": (TextConfig, dict(dropout_rate="0.1"),

@@ -34,7 +34,6 @@ from posjax.training import checkpoint as ckpt_lib
 from posjax.training import results as results_lib
 from posjax.training import run_setup
 from posjax.training import trainer
-from posjax.training import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 24
@@ -70,6 +69,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start(workdir: pathlib.Path, logs: list[pathlib.Path], config: str, flags: list[str],
+          extra_flags: dict[int, list[str]] | None = None, python_args: tuple[str, ...] = (),
+          script: str = "train.py") -> tuple[list, list]:
+    """Start ``script`` as process i of 2 (127.0.0.1 coordinator) with ``flags`` plus
+    ``extra_flags[i]``, its output copied line by line into ``logs[i]``. Returns the processes
+    and their copier threads (end them with ``wait_all`` or ``stop_all``)."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
+    procs, copiers = [], []
+    for i, log in enumerate(logs):
+        procs.append(subprocess.Popen(
+            [sys.executable, *python_args, script, "--config", config, *flags,
+             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+             f"--config.distributed.process_id={i}", f"--workdir={workdir}",
+             *(extra_flags or {}).get(i, [])],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        # This process writes the log (a child's file-size cap must not cut it short). The
+        # file exists before the caller polls it.
+        copiers.append(threading.Thread(target=_copy_lines,
+                                        args=(procs[-1].stdout, log.open("wb"))))
+        copiers[-1].start()
+    return procs, copiers
+
+
+def stop_all(procs: list, copiers: list) -> None:
+    """Kill the processes still running, reap them all and let their copiers finish."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for copier in copiers:
+        copier.join(timeout=60)
+
+
+def wait_all(procs: list, copiers: list, timeout_s: float = 300) -> list[int]:
+    """Exit statuses of ``procs`` (each given ``timeout_s``); then ``stop_all``."""
+    try:
+        return [p.wait(timeout=timeout_s) for p in procs]
+    finally:
+        stop_all(procs, copiers)
+
+
 def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
            sigterm_to: tuple[int, ...] = (), after_step: int = 0,
            extra_flags: dict[int, list[str]] | None = None,
@@ -81,24 +123,9 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
     processes (``extra_flags``: more flags for some of them; ``python_args``: before it);
     with ``sigterm_to``, send SIGTERM to those processes once process 0 reports
     ``after_step``. Returns [(output, exit status)] per process."""
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
     flags = [f"--config.{k}={v}" for k, v in {**(overrides or OVERRIDES), **MULTI}.items()]
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
-    procs, copiers = [], []
-    for i, log in enumerate(logs):
-        procs.append(subprocess.Popen(
-            [sys.executable, *python_args, script, "--config", config, *flags,
-             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-             f"--config.distributed.process_id={i}", f"--workdir={workdir}",
-             *(extra_flags or {}).get(i, [])],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        # This process writes the log (a child's file-size cap must not cut it short). The
-        # file exists before the loop below polls it.
-        copiers.append(threading.Thread(target=_copy_lines,
-                                        args=(procs[-1].stdout, log.open("wb"))))
-        copiers[-1].start()
+    procs, copiers = start(workdir, logs, config, flags, extra_flags, python_args, script)
     try:
         if sigterm_to:
             trigger = f"step {after_step}/{NUM_STEPS} "
@@ -106,13 +133,10 @@ def launch(workdir: pathlib.Path, log_dir: pathlib.Path, name: str,
                 time.sleep(0.05)
             for i in sigterm_to:
                 procs[i].send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for copier in copiers:
-            copier.join(timeout=60)
+    except BaseException:
+        stop_all(procs, copiers)
+        raise
+    codes = wait_all(procs, copiers)
     return [(log.read_text(), code) for log, code in zip(logs, codes)]
 
 

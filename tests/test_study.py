@@ -41,6 +41,20 @@ def test_paired_statistics_on_known_numbers():
     assert stats.steps_to_reach([0, 10], [5.0, 3.0], 1.0) is None
 
 
+def test_cost_ratios_are_taken_within_each_round():
+    from posjax.study.cost import ratios, rotated
+
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    # The load doubles in round 2: per-round ratios stay 1.5, the medians of times would not.
+    times = {"base": [1.0, 2.0, 1.0], "x": [1.5, 3.0, 1.5], "y": [0.5, 1.0, 0.6]}
+    out = ratios(times, "base")
+    assert out["base"]["time_ratio"] == 1.0
+    assert out["x"] == {"step_time_s": 1.5, "time_ratio": 1.5, "time_ratio_min": 1.5,
+                        "time_ratio_max": 1.5}
+    assert out["y"]["time_ratio"] == 0.5 and out["y"]["time_ratio_max"] == pytest.approx(0.6)
+
+
 def test_claim_rules_decide_from_numbers():
     rec = lambda name, seed, loss: {"name": name, "seed": seed, "status": "ok",   # noqa: E731
                                     "final": {"loss": loss}}
@@ -114,7 +128,10 @@ def _check_common(rep, manifest_cells, runnable):
                 assert s["n"] == 2 and _finite(s["mean"]) and _finite(s["std"]), (name, m)
         cost = rep["cost"][name]
         assert _finite(cost["time_ratio"]) and _finite(cost["memory_ratio"])
-        assert cost["params"] > 0 and cost["same_process"]
+        assert cost["time_ratio_min"] <= cost["time_ratio"] <= cost["time_ratio_max"]
+        assert cost["params"] > 0 and cost["temp_bytes"] > 0
+        assert len(cost["seconds_per_round"]) == rep["cost_measurement"]["rounds"]
+    assert rep["cost"][rep["baseline"]]["time_ratio"] == 1.0
     assert rep["claims"] and all(c["verdict"] in VERDICTS for c in rep["claims"])
     for c in rep["claims"]:
         if "paired" in c:
@@ -128,7 +145,7 @@ def _check_common(rep, manifest_cells, runnable):
 GRIDS = """
 import json, pathlib, sys
 import jax
-from posjax.study import cells as cells_lib, runner
+from posjax.study import cells as cells_lib, cost, runner
 from posjax.study.__main__ import main
 from posjax.study.grid import run_grid
 from posjax.study.spec import check_study, load_config_file
@@ -146,6 +163,7 @@ runner.train(cells_lib.main_config(base, first), cells_lib.cell_dir(text, first.
 lines = []
 run_grid(study, text, log=lines.append)
 again = run_grid(study, text, log=lines.append)
+cost.measure(study, text, log=lines.append)
 json.dump({"lines": lines, "again": [r["cell"] for r in again]}, open(tmp / "log.json", "w"))
 from posjax.study import report
 report.build(text)
@@ -189,7 +207,7 @@ def test_tiny_studies_end_to_end(tmp_path):
     assert {"curves.png", "tupe_terms_bert_abs.png", "tupe_heads_tupe_a.png"} <= set(rep["figures"])
     md = (text / "report.md").read_text()
     for word in ("broken-s2 | bert_abs | failed", "not distinguishable", "## Claims",
-                 "the table has no rows beyond L", "## Cost"):
+                 "the table has no rows beyond L", "side by side in one process"):
         assert word in md, word
     # the report from results/ alone (as merged from other machines)
     merged = tmp_path / "merged"

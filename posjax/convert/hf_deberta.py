@@ -33,6 +33,7 @@ from posjax.convert import mapping as m
 from posjax.convert.hf_common import HFConfig, activation_to_hf, config_path, labels_config
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import TextConfig
+from posjax.models.schemes import input_table
 
 MODEL_TYPES = {"deberta": "deberta", "deberta-v2": "deberta_v2"}
 
@@ -322,8 +323,8 @@ def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarra
     prefix = "" if task == "encoder" else "deberta."
     base = () if task == "encoder" else ("encoder",)
     params = pre.params
-    if cfg.max_position_embeddings and not (cfg.position_biased_input or cfg.use_emd):
-        # The model holds no table that neither the input nor EMD reads (TextEmbeddings).
+    if cfg.max_position_embeddings and not input_table(cfg):
+        # The model holds no table that neither the input nor EMD reads.
         cfg = dataclasses.replace(cfg, max_position_embeddings=0)
     links = encoder_links(cfg, prefix, base) + head_links(task, legacy_mlm)
     tensors = m.export_tensors(links, params, f"export of {cfg.position_scheme} {task}")

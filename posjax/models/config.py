@@ -9,7 +9,7 @@ import dataclasses
 import numbers
 from typing import Any, Mapping, Sequence
 
-from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, VIT_SCHEMES
+from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, VIT_SCHEMES, reads_absolute_table
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "identity")
 POOLINGS = ("token", "first", "gap", "map")
@@ -193,16 +193,16 @@ class TextConfig:
         deberta = scheme.disentangled
         _check(self.max_position_embeddings >= 0, "max_position_embeddings",
                self.max_position_embeddings, "must be >= 0")
-        if scheme.learned_input or scheme.untied or (deberta and self.position_biased_input):
-            _check(self.max_position_embeddings > 0, "max_position_embeddings",
-                   self.max_position_embeddings,
-                   f"must be > 0: position_scheme={self.position_scheme!r} needs an absolute "
-                   "table")
         if self.use_emd:
             _check(deberta, "use_emd", self.use_emd,
                    "the enhanced mask decoder exists only for position_scheme deberta/deberta_v2")
-            _check(self.max_position_embeddings > 0, "use_emd", self.use_emd,
-                   "EMD needs absolute positions: set max_position_embeddings > 0")
+        if reads_absolute_table(self):
+            reader = " with use_emd=True" if self.use_emd else ""
+            _check(self.max_position_embeddings > 0, "max_position_embeddings",
+                   self.max_position_embeddings,
+                   f"must be > 0: position_scheme={self.position_scheme!r}{reader} reads an "
+                   "absolute table")
+        if self.use_emd:
             _check(self.num_layers >= 2, "use_emd", self.use_emd, "EMD needs num_layers >= 2")
             _check(self.input_embedding_size == self.hidden_size, "embedding_size",
                    self.embedding_size, "EMD adds the raw position embeddings to hidden states: "

@@ -101,11 +101,21 @@ def scheme_fields() -> dict[str, tuple[str, ...]]:
     return {n: s.fields for n, s in SCHEMES.items() if s.fields}
 
 
-def absolute_rows(cfg: Any) -> int:
-    """Rows of the absolute position table a text model with ``cfg`` reads (its input table,
-    TUPE's untied table, DeBERTa's for a biased input or the EMD), 0 when it reads none: it
-    has no position beyond them."""
+def reads_absolute_table(cfg: Any) -> bool:
+    """Whether a text model with ``cfg`` reads an absolute position table: BERT-A/R's input
+    table, TUPE's untied one, DeBERTa's when the input (``position_biased_input``) or the EMD
+    reads it. The config refuses such a model without table rows."""
     scheme = scheme_of(cfg)
-    reads = scheme.learned_input or scheme.untied or (
+    return scheme.learned_input or scheme.untied or (
         scheme.input == "optional" and (cfg.position_biased_input or cfg.use_emd))
-    return cfg.max_position_embeddings if reads else 0
+
+
+def input_table(cfg: Any) -> bool:
+    """Whether the model's input embeddings hold the table (all readers but TUPE's logits)."""
+    return reads_absolute_table(cfg) and not scheme_of(cfg).untied
+
+
+def absolute_rows(cfg: Any) -> int:
+    """Rows of the absolute position table a text model with ``cfg`` reads, 0 when it reads
+    none: it has no position beyond them."""
+    return cfg.max_position_embeddings if reads_absolute_table(cfg) else 0

@@ -18,7 +18,7 @@ from posjax.layers.attention import ACTIVATIONS, DEFAULT_INIT, dense, layer_norm
 from posjax.layers.dropout import Dropout
 from posjax.models.config import TextConfig
 from posjax.models.encoder import Encoder, compute_dtype
-from posjax.models.schemes import scheme_of
+from posjax.models.schemes import absolute_rows, input_table, scheme_of
 
 Array = jax.Array
 
@@ -59,6 +59,14 @@ def _lookup_small(table: nn.Embed, ids: Array) -> Array:
     return nn.with_logical_constraint(rows, ("batch", "length", "embed"))
 
 
+def check_table_length(cfg: TextConfig, length: int) -> None:
+    """Refuse a sequence longer than the absolute table the model reads (schemes.absolute_rows)."""
+    rows = absolute_rows(cfg)
+    if rows and length > rows:
+        raise ValueError(f"sequence length {length} exceeds max_position_embeddings={rows}: "
+                         "truncate inputs or enlarge the table")
+
+
 class TextEmbeddings(nn.Module):
     """x = LN(E_word[ids] (+ E_pos[i]) (+ E_type[t]) (-> embed_proj)); DeBERTa then zeroes pads.
 
@@ -87,11 +95,7 @@ class TextEmbeddings(nn.Module):
 
     @property
     def has_position_table(self) -> bool:
-        """BERT-A/R add the table to the input; DeBERTa keeps one when the input or EMD reads it."""
-        cfg = self.cfg
-        if scheme_of(cfg).input == "optional":
-            return cfg.max_position_embeddings > 0 and (cfg.position_biased_input or cfg.use_emd)
-        return scheme_of(cfg).learned_input
+        return input_table(self.cfg)
 
     def __call__(self, input_ids: Array, token_mask: Array, token_type_ids: Array | None,
                  train: bool) -> tuple[Array, Array | None]:
@@ -100,10 +104,7 @@ class TextEmbeddings(nn.Module):
         x = _lookup(self.word_embeddings, input_ids)
         pos = None
         if self.has_position_table:
-            if length > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {length} exceeds max_position_embeddings="
-                    f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
+            check_table_length(cfg, length)
             pos = self.position_embeddings(jnp.arange(length))[None]
             if scheme_of(cfg).learned_input or cfg.position_biased_input:
                 x = x + pos
@@ -176,11 +177,7 @@ class TextEncoder(nn.Module):
         """(embedded tokens, raw absolute positions or None, bool token mask)."""
         cfg = self.cfg
         check_token_inputs(input_ids, attention_mask, token_type_ids)
-        length = input_ids.shape[1]
-        if scheme_of(cfg).untied and length > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {length} exceeds max_position_embeddings="
-                f"{cfg.max_position_embeddings}: truncate inputs or enlarge the table")
+        check_table_length(cfg, input_ids.shape[1])
         token_mask = attention_mask.astype(bool)
         x, pos = self.embeddings(input_ids, token_mask, token_type_ids, train)
         return x, pos, token_mask

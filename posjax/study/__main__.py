@@ -1,7 +1,9 @@
 """python -m posjax.study --config configs/study_text.py[:tiny] --workdir DIR [--cell NAME]
 python -m posjax.study --workdir DIR --report
+python -m posjax.study --config ... --workdir DIR --cost
 
-Runs every cell of the study not finished yet (resuming interrupted ones), then writes the
+Runs every cell of the study not finished yet (resuming interrupted ones), measures what each
+entry costs side by side in this one process (once: ``--cost`` measures again), then writes the
 report; ``--cell`` runs one cell (or every seed of one entry), e.g. on another host;
 ``--report`` only (re)writes the report from ``DIR/results``.
 """
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="the study's directory")
     parser.add_argument("--report", action="store_true", help="only (re)write the report")
     parser.add_argument("--cell", default="", help="run only this cell id or entry name")
+    parser.add_argument("--cost", action="store_true",
+                        help="only measure every entry's step time and memory side by side")
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if not a.startswith("--config.") or "=" not in a]
     if bad:
@@ -64,11 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.config:
         parser.error("--config is required unless --report")
+    from posjax.study import cost
     from posjax.study.grid import run_grid
     try:
         study = load_config_file(args.config)
         apply_overrides(study, extra)
-        run_grid(study, root, args.cell)
+        if not args.cost:
+            run_grid(study, root, args.cell)
+        if args.cost or not (args.cell or cost.cost_file(root).is_file()):
+            cost.measure(study, root)
     except StudyConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

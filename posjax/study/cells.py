@@ -7,7 +7,7 @@ Workdirs (each an ordinary train.py workdir: it resumes, eval.py works on it):
 fine-tuned at another resolution). A follow-up that fails is recorded in ``stage_errors`` and
 the cell goes on; a main run that fails makes the cell ``failed``.
 
-Results: ``results/<cell>.json`` (final metrics, step time, memory, params, config summary,
+Results: ``results/<cell>.json`` (final metrics, step time, params, config summary,
 follow-ups) and ``results/<cell>_curve.csv`` (step, train loss, held-out metrics), and
 ``results/<cell>_analysis.json`` (position analyses of seed 1). The report reads only these.
 """
@@ -213,9 +213,6 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     params = _stage(errors, "params", runner.load_params, workdir)
     if params is not None:
         record["params"] = runner.param_count(params)
-    mem = _stage(errors, "memory", runner.train_step_memory, config)
-    if mem:
-        record["memory"] = mem
     if params is None or cell.seed > study.get("follow_up_seeds", 10**6):
         pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
     elif study.kind == "text":

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from posjax.study import cost as cost_lib
 from posjax.study import stats
 from posjax.study.analysis import HEAD_RULE
 
@@ -255,6 +256,43 @@ def plot_similarity(sim: np.ndarray, out: pathlib.Path) -> pathlib.Path:
 # ----------------------------------------------------------------------------- report
 
 
+def _cost(root: pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(per entry cost, how it was measured) from ``results/cost.json`` (empty if missing)."""
+    path = cost_lib.cost_file(root)
+    if not path.is_file():
+        return {}, {}
+    measured = json.loads(path.read_text())
+    entries = measured.pop("entries")
+    return entries, measured
+
+
+def _cost_lines(rep: dict[str, Any], base: str) -> list[str]:
+    lines = ["", f"## Cost (ratios to {base}, measured side by side in one process)", ""]
+    how = rep.get("cost_measurement")
+    if not how:
+        return lines + ["Not measured yet: `python -m posjax.study --config ... --workdir ... "
+                        "--cost` (the grid measures it once after its cells)."]
+    lines += ["| entry | step time (ms) | time ratio (min–max over rounds) | peak step memory "
+              "(MiB) | memory ratio | params |", "|---|---|---|---|---|---|"]
+    for name, c in rep["cost"].items():
+        if "error" in c:
+            lines.append(f"| {name} | failed: {c['error'][:120]} | | | | |")
+            continue
+        lines.append(f"| {name} | {1e3 * c['step_time_s']:.1f} | {c['time_ratio']:.2f} "
+                     f"({c['time_ratio_min']:.2f}–{c['time_ratio_max']:.2f}) | "
+                     f"{c['peak_bytes'] / 2**20:.1f} | {c['memory_ratio']:.2f} | "
+                     f"{c['params']:,} |")
+    load = ", ".join(f"{x:.2f}" for x in how["load_average_before"])
+    load_after = ", ".join(f"{x:.2f}" for x in how["load_average_after"])
+    return lines + ["", f"Each entry's own train step (forward, backward, optimizer update) at "
+                    f"the study's batch, {how['rounds']} rounds × {how['steps_per_round']} "
+                    f"steps, entries in a rotated order each round; the ratio is the median "
+                    f"over rounds of entry / {base} in the same round. CPU: {how['cpu']} "
+                    f"({how['cpus']} cores); load average {load} before, {load_after} after. "
+                    "Peak step memory: XLA's sizes of that compiled step (temporaries + "
+                    "arguments: the train state and the batch)."]
+
+
 def build(root: pathlib.Path) -> dict[str, Any]:
     """Write report.md, report.json and the PNGs into ``root``; return the report dict."""
     root = pathlib.Path(root)
@@ -277,20 +315,7 @@ def build(root: pathlib.Path) -> dict[str, Any]:
         if name != base:
             rep["paired"][name] = {m: stats.paired(seeds_of(rs, m), seeds_of(groups[base], m))
                                    for m in primary}
-    base_time = stats.mean_std([r.get("step_time_s") for r in ok(groups.get(base, []))])
-    base_mem = stats.mean_std([r.get("memory", {}).get("peak_bytes") for r in
-                               ok(groups.get(base, []))])
-    for name, rs in groups.items():
-        t = stats.mean_std([r.get("step_time_s") for r in ok(rs)])
-        m = stats.mean_std([r.get("memory", {}).get("peak_bytes") for r in ok(rs)])
-        params = [r.get("params") for r in ok(rs) if r.get("params")]
-        hosts = {(r.get("host"), r.get("pid")) for r in ok(rs) + ok(groups.get(base, []))}
-        rep["cost"][name] = {"step_time_s": t, "peak_bytes": m,
-                             "params": params[0] if params else None,
-                             "time_ratio": t["mean"] / base_time["mean"] if base_time["n"] else None,
-                             "memory_ratio": (m["mean"] / base_mem["mean"]
-                                              if base_mem["n"] else None),
-                             "same_process": len(hosts) == 1}
+    rep["cost"], rep["cost_measurement"] = _cost(root)
     if kind == "text":
         rep["convergence"] = convergence(root, groups, base)
         rep["glue"] = _glue(groups)
@@ -446,18 +471,7 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
                       "|---" * (len(tasks) + 1) + "|"]
             for name, v in rep["glue"].items():
                 lines.append(f"| {name} | " + " | ".join(fmt(v[t], 3) for t in tasks) + " |")
-    lines += ["", f"## Cost (ratios to {base})", "",
-              "| entry | step time (s) | ratio | peak step memory (MiB) | ratio | params | "
-              "same process |", "|---|---|---|---|---|---|---|"]
-    for name, c in rep["cost"].items():
-        mem = c["peak_bytes"]
-        mem_text = "—" if not mem["n"] else f"{mem['mean'] / 2**20:.1f}"
-        tr = "—" if not _number(c["time_ratio"]) else f"{c['time_ratio']:.2f}"
-        mr = "—" if not _number(c["memory_ratio"]) else f"{c['memory_ratio']:.2f}"
-        lines.append(f"| {name} | {fmt(c['step_time_s'], 3)} | {tr} | {mem_text} | {mr} | "
-                     f"{c['params']} | {c['same_process']} |")
-    lines += ["", "Peak step memory: XLA's compiled forward+backward of one batch (temporaries "
-              "+ arguments), the same measurement for every entry."]
+    lines += _cost_lines(rep, base)
     for title, key, value in (("Length extrapolation (held-out MLM loss)", "extrapolation",
                                "loss"),):
         if rep.get(key):

@@ -1,5 +1,5 @@
 """The study's one adapter to the training system: train a workdir, read its metrics and
-params, evaluate params on a (changed) config, and measure a train step's memory.
+params, evaluate params on a (changed) config, and time a train step (StepClock).
 
 Everything the study needs from ``posjax.training`` goes through here, so when the trainer's
 modules move only this file changes.
@@ -110,22 +110,50 @@ def evaluate_params(config: ml_collections.ConfigDict, params: Any,
     return task.summarize({k: np.concatenate(v)[mask] for k, v in collected.items()})
 
 
-def train_step_memory(config: ml_collections.ConfigDict) -> dict[str, float]:
-    """XLA's compiled memory of one forward+backward at the config's batch (bytes):
-    ``temp`` (activations and scratch), ``arguments`` (params + batch) and their sum ``peak``
-    (an upper bound of what the step holds beyond the optimizer state)."""
-    task, model = build(config)
-    batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(int(config.batch_size)).items()}
-    rng = jax.random.PRNGKey(0)
-    params = jax.eval_shape(lambda: task.init_params(model, rng, batch))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          __import__("flax").linen.meta.unbox(params))
+class StepClock:
+    """A train config's own train step (``posjax.training.steps``: forward, backward and the
+    optimizer update, as train.py runs it, on this process's devices), compiled once, and one
+    real training batch, stepped on demand: ``seconds(n)`` times ``n`` steps; ``memory``: XLA's
+    compiled sizes of that step (bytes): ``temp`` (activations and scratch), ``arguments``
+    (state + batch) and their sum ``peak``."""
 
-    def loss(p, b, r):
-        return task.train_metrics(model, p, b, r)["loss"][0]
+    def __init__(self, config: ml_collections.ConfigDict) -> None:
+        import flax.linen as nn
 
-    compiled = jax.jit(jax.grad(loss)).lower(params, batch, rng).compile()
-    info = compiled.memory_analysis()
-    temp = float(getattr(info, "temp_size_in_bytes", 0) or 0)
-    args = float(getattr(info, "argument_size_in_bytes", 0) or 0)
-    return {"temp_bytes": temp, "argument_bytes": args, "peak_bytes": temp + args}
+        from posjax.training import mesh as mesh_lib
+        from posjax.training import optim, steps
+        from posjax.training import state as state_lib
+
+        task, model = build(config)
+        self.mesh = mesh_lib.build_mesh(config.mesh)
+        self._context = lambda: (jax.set_mesh(self.mesh),
+                                 nn.logical_axis_rules(mesh_lib.LOGICAL_RULES))
+        tx, _ = optim.make_optimizer(config.optimizer, int(config.num_steps))
+        seed = int(config.seed)
+        pipe = task.make_pipeline("train", int(config.batch_size), seed, True, 0, 1)
+        self.batch = mesh_lib.global_batch(next(pipe.iterator), self.mesh)
+        self.key = jax.random.PRNGKey(seed)
+        _, shardings = state_lib.abstract_state(task, model, tx, self.mesh, seed)
+        self.state = state_lib.init_state(task, model, tx, self.mesh, shardings, seed)
+        mesh_context, rules = self._context()
+        with mesh_context, rules:
+            step = steps.make_train_step(task, model, tx, self.mesh, shardings,
+                                         task.dummy_batch(1), int(config.microbatches))
+            self._step = step.lower(self.state, self.batch, self.key).compile()
+        self.params = param_count(self.state.params)
+        info = self._step.memory_analysis()
+        temp = float(getattr(info, "temp_size_in_bytes", 0) or 0)
+        args = float(getattr(info, "argument_size_in_bytes", 0) or 0)
+        self.memory = {"temp_bytes": temp, "argument_bytes": args, "peak_bytes": temp + args}
+
+    def seconds(self, n: int) -> float:
+        """Wall seconds of ``n`` train steps."""
+        import time
+
+        mesh_context, rules = self._context()
+        with mesh_context, rules:
+            start = time.perf_counter()
+            for _ in range(n):
+                self.state, _ = self._step(self.state, self.batch, self.key)
+            jax.block_until_ready(self.state.step)
+            return time.perf_counter() - start
