@@ -143,6 +143,8 @@ CASES = {
     "batch not divisible by data parallel": (lambda t: tiny(batch_size=12), "batch_size=12"),
     "mesh bigger than the devices": (lambda t: tiny(**{"mesh.data": 16}), "mesh"),
     "negative peak_flops": (lambda t: tiny(peak_flops=-1.0), "peak_flops=-1.0"),
+    "eval.py's eval_step given to train.py": (lambda t: tiny(eval_step=4),
+                                              "eval_step=4 applies to eval.py only"),
     # data
     "images with another channel count": (lambda t: _npz_images(
         t, np.zeros((16, 8, 8, 3), np.uint8), np.arange(16) % 4), "channel"),
