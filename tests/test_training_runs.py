@@ -162,8 +162,9 @@ def test_eval_prints_its_progress(runs, monkeypatch, capsys):
 def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     """eval.py with config.init_from in a workdir that is not a run's evaluates those weights
     as they are, as step 0: a finished run's give its own final metrics. Weights that would
-    not fill the model (a head on another layer), another pooling or an eval_step are one error each, before
-    anything is written; a run's workdir without a checkpoint is still refused."""
+    not fill the model (a head on another layer), another pooling or an eval_step are one error
+    each, before anything is written; a run's workdir without a checkpoint is still
+    refused."""
     config, straight, _, _ = runs
     pretrained = syn.tiny_config(init_from=str(straight))
     result = evaluator.evaluate(pretrained, tmp_path / "eval")
