@@ -1,13 +1,16 @@
-"""Evaluate a checkpoint: python eval.py --workdir DIR [--step N] [--config.a.b=v ...]
+"""Evaluate a checkpoint: python eval.py --workdir DIR [--config.eval_step=N] [--config.a.b=v ...]
 
 Reads the config train.py saved in the workdir (configs/saved.py:DIR) unless --config names
 another file; ``--config.*`` overrides apply on top of it. Evaluation may change only how and
 where it reads its data and on which devices (mesh, batch sizes, data paths and splits:
 ``run_config.EVAL_KEYS``); a config that differs from the run's config.json in any other key is
-refused. It evaluates the latest checkpoint (or --step) on data.test_split and writes
-DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json; another
---config.data.test_split writes its own file, and so does other data than the run's:
-eval_<step>_<split>_data-<hash>.json, which records the data it read).
+refused. It evaluates the newest intact checkpoint and says which step it used (a damaged newer
+step is named and skipped), or the step ``--config.eval_step=N`` picks (``--step N`` is the
+same); a step that is not saved or is damaged is one error listing the intact steps. It reads
+data.test_split and writes DIR/checkpoints/eval_<step>_<split>.json (e.g. eval_800_test.json;
+another --config.data.test_split writes its own file, and so does other data than the run's:
+eval_<step>_<split>_data-<hash>.json, which records the data it read); the JSON it prints
+names the step.
 
     python eval.py --config configs/X.py --config.init_from=CKPT --workdir NEW_DIR
 
@@ -31,7 +34,8 @@ SAVED_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "saved.py"
 cli.define_config_flag(None, "Config file[:variant] (default: the workdir's, "
                               "configs/saved.py:WORKDIR).")
 flags.DEFINE_string("workdir", None, "Directory train.py wrote.", required=True)
-flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+flags.DEFINE_integer("step", None, "Checkpoint step: the same as --config.eval_step=N "
+                     "(default: the newest intact step).")
 
 
 def with_saved_config(argv: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import pathlib
 from typing import Any, Mapping
 
 import ml_collections
+from ml_collections.config_dict import FieldReference
 
 from posjax.io_utils import local_path
 from posjax.models.config import TextConfig, ViTConfig
@@ -50,6 +51,8 @@ def default_config() -> ml_collections.ConfigDict:
         "init_from": "",             # converter output dir (params/ + model_config.json)
                                      # or a train.py workdir (its latest checkpoint's params)
         "peak_flops": 0.0,           # per device, for MFU; 0: table by device kind or measured
+        "eval_step": eval_step_field(),   # eval.py only: the step to evaluate; None: the
+                                          # newest intact step
         "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "optimizer": {"name": "adamw", "learning_rate": 1e-3, "schedule": "cosine",
                       "warmup_steps": 0, "end_learning_rate": 0.0, "b1": 0.9, "b2": 0.999,
@@ -63,6 +66,13 @@ def default_config() -> ml_collections.ConfigDict:
         "model": {},
         "data": {},
     })
+
+
+def eval_step_field(value: Any = None) -> FieldReference:
+    """``eval_step`` as a field any ``--config.eval_step=V`` may set (a plain None field
+    cannot be overridden from the command line): V is read as a Python literal, so that
+    eval.py, not the flag parser, says what is wrong with a value that is not a step."""
+    return FieldReference(value, field_type=object)
 
 
 def model_defaults(config_class: type, **overrides: Any) -> dict[str, Any]:
@@ -229,7 +239,8 @@ def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
 
 def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
     """The config a train.py run saved in ``workdir`` (its ``config.json``); a key it lacks
-    (saved before the key existed) takes ``default_config``'s value."""
+    (saved before the key existed) takes ``default_config``'s value. ``eval_step`` belongs
+    to an evaluation, not to the run: it starts unset."""
     saved = read_saved_config(workdir)
     path = local_path(workdir, '--workdir') / CONFIG_FILE
     if saved is None:
@@ -240,7 +251,8 @@ def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
         raise ValueError(f"{path} is not a posjax run's config (keys {sorted(saved)[:8]}; a "
                          "run's has task, model, data, ...): give the --workdir of a train.py "
                          "run, or a --config file")
-    return ml_collections.ConfigDict(_with_defaults(config_dict(default_config()), saved))
+    return ml_collections.ConfigDict({**_with_defaults(config_dict(default_config()), saved),
+                                      "eval_step": eval_step_field()})
 
 
 def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pathlib
+import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -24,6 +29,9 @@ from posjax.training import trainer
 from posjax.training import workdir as workdir_lib
 
 import test_training_synthetic as syn
+from jax_env import xla_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -133,5 +141,74 @@ def test_eval_uses_the_newest_intact_step_and_names_it(straight, tmp_path, caplo
     assert any("evaluating step 4 instead" in r.getMessage() and "CRC-32" in r.getMessage()
                for r in caplog.records)
     assert (workdir / "checkpoints" / "6").is_dir()   # eval.py moves nothing
-    with pytest.raises(ValueError, match=r"checkpoint .*/6 cannot be restored \(.*CRC-32"):
+    with pytest.raises(ValueError, match=r"^eval_step=6: checkpoint .*/6 cannot be restored "
+                                         r"\(.*CRC-32 differs\)\); the intact steps in "
+                                         r".* are \[2, 4\]"):
         evaluator.evaluate(config, workdir, step=6)
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in path.rglob("*")}
+
+
+def test_eval_step_picks_a_step_and_a_bad_one_is_one_error_listing_the_intact_steps(
+        straight, tmp_path):
+    """config.eval_step=N evaluates step N though a newer one is intact; a value that is not a
+    step's number, a step that is not saved and a damaged step are each one ValueError naming
+    eval_step and the intact steps, before anything is written. eval.py's --step is the same
+    setting: both given and different is one error."""
+    _, straight_dir, _ = straight
+    workdir = _copy(straight_dir, tmp_path)
+    checkpoints = workdir / "checkpoints"
+    _damage_truncate(_largest_file(checkpoints / "6"))
+    listing = re.escape(f"the intact steps in {checkpoints} are [2, 4]: give one of them "
+                        "(--config.eval_step=N), or leave eval_step unset for the newest (4)")
+    not_a_step = r"is not valid: give a saved step's number \(an integer >= 0\); "
+    refused = {
+        -1: rf"eval_step=-1 {not_a_step}{listing}",
+        2.5: rf"eval_step=2\.5 {not_a_step}{listing}",
+        "4": rf"eval_step='4' {not_a_step}{listing}",
+        True: rf"eval_step=True {not_a_step}{listing}",
+        5: rf"eval_step=5: {re.escape(str(checkpoints))} holds no such step; {listing}",
+        6: rf"eval_step=6: checkpoint {re.escape(str(checkpoints / '6'))} cannot be restored "
+           rf"\(state/\S+ holds \d+ bytes, \d+ were saved\); {listing}",
+    }
+    before = _tree(workdir)
+    for value, match in refused.items():
+        with pytest.raises(ValueError, match=f"^{match}$"):
+            evaluator.evaluate(syn.tiny_config(eval_step=value), workdir)
+    with pytest.raises(ValueError, match=r"^--step 2 and eval_step=4 name different steps"):
+        evaluator.evaluate(syn.tiny_config(eval_step=4), workdir, step=2)
+    assert _tree(workdir) == before
+    assert evaluator.evaluate(syn.tiny_config(eval_step=4), workdir)["step"] == 4
+    assert (checkpoints / "eval_4_test.json").is_file()
+    assert evaluator.evaluate(syn.tiny_config(eval_step=2), workdir, step=2)["step"] == 2
+
+
+# eval.py with the synthetic task of the tests registered.
+EVAL_PY = ("import runpy, sys; sys.path.insert(0, 'tests'); import test_training_synthetic; "
+           "sys.argv[0] = 'eval.py'; runpy.run_path('eval.py', run_name='__main__')")
+
+
+def test_eval_py_takes_config_eval_step_over_the_saved_config(straight, tmp_path):
+    """``--config.eval_step=N`` overrides the run's saved config (whose eval_step is unset)
+    and is not another config than the run's; a value that is not a step is one error line."""
+    _, straight_dir, _ = straight
+    workdir = _copy(straight_dir, tmp_path)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
+
+    def eval_py(*args):
+        return subprocess.run([sys.executable, "-c", EVAL_PY, f"--workdir={workdir}", *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    bad = eval_py("--config.eval_step=-3")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"error: eval_step=-3 is not valid: give a saved step's number (an integer >= 0); the "
+        f"intact steps in {workdir / 'checkpoints'} are [2, 4, 6]: give one of them "
+        "(--config.eval_step=N), or leave eval_step unset for the newest (6)")
+    done = eval_py("--config.eval_step=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["step"] == 4
+    assert (workdir / "checkpoints" / "eval_4_test.json").is_file()

@@ -162,8 +162,9 @@ def test_eval_prints_its_progress(runs, monkeypatch, capsys):
 def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     """eval.py with config.init_from in a workdir that is not a run's evaluates those weights
     as they are, as step 0: a finished run's give its own final metrics. Weights that would
-    not fill the model (a head on another layer), another pooling or a --step are one error each, before
-    anything is written; a run's workdir without a checkpoint is still refused."""
+    not fill the model (a head on another layer), another pooling or an eval_step are one error
+    each, before anything is written; a run's workdir without a checkpoint is still
+    refused."""
     config, straight, _, _ = runs
     pretrained = syn.tiny_config(init_from=str(straight))
     result = evaluator.evaluate(pretrained, tmp_path / "eval")
@@ -179,8 +180,8 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
             "pretrained model's heads")),
         "another pooling": ({"model.pooling": "gap"}, 0, re.escape(
             "has pooling='token' where this run's config.model has pooling='gap'")),
-        "a step": ({}, 2, r"step=2: .*holds no saved step; without --step eval.py evaluates "
-                          r"config.init_from's weights \(as step 0\)"),
+        "a step": ({}, 2, r"eval_step=2: .*holds no saved step; leave eval_step unset: "
+                          r"eval.py then evaluates config.init_from's weights \(as step 0\)"),
     }
     for name, (overrides, step, match) in refused.items():
         with pytest.raises(ValueError, match=match):
@@ -245,8 +246,8 @@ def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, t
 def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, tmp_path,
                                                                           monkeypatch):
     """A run training in the workdir removes old steps (checkpoint.keep) while eval.py starts:
-    without --step the new latest is evaluated; with --step, one error says what happened
-    (it said the checkpoint might be damaged)."""
+    with eval_step unset the new latest is evaluated; with eval_step=N, one error says what
+    happened (it said the checkpoint might be damaged)."""
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     original = ckpt_lib.Checkpointer.restore
@@ -259,10 +260,10 @@ def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, 
     monkeypatch.setattr(ckpt_lib.Checkpointer, "restore", rotated_out_first)
     assert evaluator.evaluate(config, workdir)["step"] == 4
     shutil.copytree(straight / "checkpoints" / "6", workdir / "checkpoints" / "6")
-    with pytest.raises(ValueError, match=rf"^step=6: {workdir / 'checkpoints' / '6'} was "
-                                         r"removed while it was read \(a run training there "
-                                         r"keeps only the latest checkpoint.keep steps\); "
-                                         r"evaluate one of \[2, 4\] with --step"):
+    with pytest.raises(ValueError, match=rf"^eval_step=6: {workdir / 'checkpoints' / '6'} "
+                                         r"was removed while it was read \(a run training "
+                                         r"there keeps only the latest checkpoint.keep steps\); "
+                                         r"evaluate one of \[2, 4\] with --config.eval_step=N"):
         evaluator.evaluate(config, workdir, step=6)
 
     # Caught mid-removal (Orbax deletes in place) once the run saved step 8 with keep = 1.
@@ -575,7 +576,7 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
     pattern = (rf"checkpoint {workdir / 'checkpoints' / str(steps[-1])} cannot be restored "
                rf"\(.*(OUT_OF_RANGE|DATA_LOSS).*\)\. If it is damaged \(a full disk, an "
                rf"interrupted copy\), move it out of {workdir / 'checkpoints'} to use step "
-               rf"{steps[-2]} instead \(eval\.py: or --step {steps[-2]}\)")
+               rf"{steps[-2]} instead \(eval\.py: or --config\.eval_step={steps[-2]}\)")
     with pytest.raises(ValueError, match=pattern):
         trainer.train(config, workdir)
     with pytest.raises(ValueError, match=pattern):

@@ -32,7 +32,7 @@ from posjax.convert import hf_deberta, hf_vit, vit_npz
 from posjax.convert.checkpoint import (MODEL_CONFIG, is_train_workdir, load_checkpoint,
                                       load_train_workdir, save_checkpoint)
 from posjax.convert.destination import write_directory
-from posjax.convert.hf_common import read_config_json
+from posjax.convert.hf_common import check_required_keys, read_config_json
 from posjax.convert.mapping import check_tree
 from posjax.convert.pretrained import (Pretrained, build_module, expected_params,
                                        resize_vit)
@@ -112,13 +112,44 @@ def source_data_identity(path: str | pathlib.Path) -> dict[str, list[identity.En
     return identity.folder_vocabularies(folder)
 
 
+# A tensor name (its end) that only one model_type's checkpoints hold.
+_MODEL_TYPE_TENSORS = (("deberta", ".attention.self.in_proj.weight"),
+                       ("deberta-v2", ".attention.self.query_proj.weight"),
+                       ("vit", "embeddings.patch_embeddings.projection.weight"))
+
+
+def weights_model_type(names: set[str]) -> tuple[str, str] | None:
+    """(model_type, a tensor name that shows it) of a Hugging Face checkpoint's tensor
+    ``names``; None when no name tells."""
+    for model_type, end in _MODEL_TYPE_TENSORS:
+        for name in sorted(names):
+            if name.endswith(end):
+                return model_type, name
+    return None
+
+
 def _load_hf(folder: pathlib.Path, task: str | None) -> Pretrained:
+    """A Hugging Face folder: its config.json (its model_type, then, once the weights are
+    read, whether they are of that type and the keys that define the model), then the weights
+    against it."""
     config = read_config_json(folder)
+    path = folder / "config.json"
     model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{path}: has no model_type: a Hugging Face config.json names the "
+                         f"model's type (posjax imports {', '.join(HF_MODEL_TYPES)}); the file "
+                         "is incomplete: download it again")
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{folder / 'config.json'}: model_type={model_type!r} is not supported: "
+        raise ValueError(f"{path}: model_type={model_type!r} is not supported: "
                          f"posjax imports {', '.join(HF_MODEL_TYPES)}")
     tensors, source = read_folder_weights(folder)
+    found = weights_model_type(set(tensors))
+    if found is not None and found[0] != model_type:
+        raise ValueError(f"{path}: model_type={model_type!r} contradicts the weights: {source} "
+                         f"holds a {found[0]!r} model (tensor {found[1]!r}). The config.json "
+                         "belongs to another model: download the folder's config.json again")
+    check_required_keys(config, (hf_vit if model_type == "vit" else hf_deberta).REQUIRED_KEYS,
+                        path)
     if model_type == "vit":
         return hf_vit.import_vit(config, tensors, str(source), task)
     return hf_deberta.import_deberta(config, tensors, str(source), task)

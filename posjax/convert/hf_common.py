@@ -25,11 +25,28 @@ def read_config_json(folder: pathlib.Path) -> dict[str, Any]:
                          "(config.json + model.safetensors or pytorch_model.bin) or a .npz file")
     try:
         cfg = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    except ValueError as e:   # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or cut short: "
+                         "download it again") from e
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
+        raise ValueError(f"{path}: must hold a JSON object (the model's settings), got a "
+                         f"{type(cfg).__name__}: download it again")
     return cfg
+
+
+def check_required_keys(config: Mapping[str, Any], keys: tuple[str, ...],
+                        path: str | pathlib.Path) -> None:
+    """One ValueError naming each of ``keys`` that ``config`` (a config.json's values) lacks or
+    sets to null. They define the model's shape or its attention heads: transformers writes
+    them with every model, and its class defaults (a base-size model's) would build another
+    model than the weights' (heads: with the same tensor shapes)."""
+    missing = [k for k in keys if config.get(k) is None]
+    if missing:
+        one = len(missing) == 1
+        raise ValueError(f"{path}: has no {', '.join(missing)}, which "
+                         f"{'defines' if one else 'define'} the model; the file is incomplete "
+                         f"or was edited: download it again, or add {'it' if one else 'them'} "
+                         "with the values the weights were trained with")
 
 
 # posjax model-config field -> the config.json key it comes from, where the names differ.
@@ -63,7 +80,9 @@ class HFConfig:
             return cls(**fields)
         except ValueError as e:
             message = re.sub(r"\b(\w+)=", lambda m: HF_KEYS.get(m[1], m[1]) + "=", str(e))
-            raise ValueError(f"{self.source}: {message}") from None
+            raise ValueError(f"{self.source}: {message} (its values contradict each other or "
+                             "are out of range: download it again, or correct it from the "
+                             "model card)") from None
 
     def fail(self, key: str, allowed: str) -> ValueError:
         return ValueError(f"{self.source}: {key}={self[key]!r} is not supported: {allowed}")

@@ -52,6 +52,9 @@ HF_DEFAULTS = {
                        position_buckets=-1, share_att_key=False, norm_rel_ebd="none",
                        conv_kernel_size=0, conv_groups=1, conv_act="tanh"),
 }
+# config.json keys without which the model is not defined (``hf_common.check_required_keys``).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size")
 MLM_OFFICIAL = "lm_predictions.lm_head."
 MLM_LEGACY = "cls.predictions."
 RTD_HEAD = "mask_predictions."

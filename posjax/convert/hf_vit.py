@@ -24,6 +24,9 @@ HF_DEFAULTS = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12
                    attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12, image_size=224,
                    patch_size=16, num_channels=3, qkv_bias=True, pooler_output_size=None,
                    pooler_act="tanh")
+# config.json keys without which the model is not defined (``hf_common.check_required_keys``).
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "image_size", "patch_size")
 
 
 def vit_links(cfg: ViTConfig, prefix: str) -> list[m.Link]:

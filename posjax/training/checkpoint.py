@@ -246,7 +246,8 @@ class Checkpointer:
 
     def _way_out(self, step: int) -> str:
         others = [s for s in self.manager.all_steps() if s != step]
-        fallback = (f"to use step {max(others)} instead (eval.py: or --step {max(others)})"
+        fallback = (f"to use step {max(others)} instead (eval.py: or "
+                    f"--config.eval_step={max(others)})"
                     if others else "and delete metrics.jsonl to start over")
         return (f"If it is damaged (a full disk, an interrupted copy), move it out of "
                 f"{self.directory} {fallback}")

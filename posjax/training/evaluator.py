@@ -23,6 +23,7 @@ from posjax.training import processes
 from posjax.training import results
 from posjax.training import run_setup
 from posjax.training import init_from as init_from_lib
+from posjax.training import integrity
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir as workdir_lib
@@ -92,17 +93,23 @@ def run_evaluation(run: run_setup.Run, params: Any, eval_step,
 @signals_to_receiver_thread()   # input workers never die of a group SIGTERM
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
              step: int | None = None) -> dict[str, float]:
-    """Evaluate the checkpoint at ``step`` (latest by default) and write its metrics JSON.
-    In a workdir that is not a run's (``evaluates_init_from``), ``config.init_from``'s
-    weights are evaluated as they are, as step 0 (a published model on a recipe's data, e.g.
-    to check it before fine-tuning)."""
+    """Evaluate the checkpoint at ``config.eval_step`` (or ``step``: eval.py's ``--step``;
+    unset: the newest intact step) and write its metrics JSON. A step that is not a saved
+    step's number, is not saved or is damaged is one ValueError naming ``eval_step`` and the
+    intact steps. In a workdir that is not a run's (``evaluates_init_from``),
+    ``config.init_from``'s weights are evaluated as they are, as step 0 (a published model on
+    a recipe's data, e.g. to check it before fine-tuning)."""
+    step = _requested_step(config, step)
     run = run_setup.prepare(config, workdir, training=False)
     if run.evaluates_init_from:
         if step not in (None, 0):
-            raise ValueError(f"step={step}: {run.workdir / 'checkpoints'} holds no saved step; "
-                             "without --step eval.py evaluates config.init_from's weights "
-                             "(as step 0)")
+            raise ValueError(f"eval_step={step!r}: {run.workdir / 'checkpoints'} holds no saved "
+                             "step; leave eval_step unset: eval.py then evaluates "
+                             "config.init_from's weights (as step 0)")
         return _evaluate_init_from(run)
+    if not _is_step_number(step):
+        raise ValueError(f"eval_step={step!r} is not valid: give a saved step's number (an "
+                         f"integer >= 0); {_choices(run.workdir)}")
     steps = workdir_lib.saved_steps(run.workdir)
     latest = step is None
     if step is None and steps:
@@ -112,14 +119,49 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         raise ValueError(f"{run.workdir / 'checkpoints'} holds no saved step yet: train there "
                          "first (a run stopped before its first save leaves it empty)")
     if step not in steps:
-        raise ValueError(f"step={step!r}: no such checkpoint in {run.workdir / 'checkpoints'} "
-                         f"(available: {steps})")
+        raise ValueError(f"eval_step={step!r}: {run.workdir / 'checkpoints'} holds no such "
+                         f"step; {_choices(run.workdir)}")
     pipe = run.make_eval_pipeline()     # data errors before the restore
     processes.check_same_splits({"test": pipe})
     state, step = _restore_for_eval(run, step, latest)
     params = state.params
     del state   # the optimizer state's buffers are freed: the devices hold only the params
     return _evaluate_and_write(run, params, step, pipe)
+
+
+def _requested_step(config: ml_collections.ConfigDict, step: Any) -> Any:
+    """The step asked for: ``config.eval_step``, or ``step`` (eval.py's ``--step``, the same
+    setting spelt shorter); one ValueError when both are given and differ."""
+    chosen = config.get("eval_step")
+    if step is not None and chosen is not None and step != chosen:
+        raise ValueError(f"--step {step} and eval_step={chosen!r} name different steps: give "
+                         "one of them")
+    return chosen if step is None else step
+
+
+def _is_step_number(step: Any) -> bool:
+    """None (the newest intact step) or an integer >= 0."""
+    return step is None or (isinstance(step, (int, np.integer)) and not isinstance(step, bool)
+                            and step >= 0)
+
+
+def intact_steps(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> list[int]:
+    """The saved steps of ``workdir`` (but those in ``but``) whose files match their integrity
+    record by name and size (no file is read: checksums are compared when a step is
+    restored; a step without a record counts as intact)."""
+    directory = workdir / "checkpoints"
+    return [s for s in workdir_lib.saved_steps(workdir)
+            if s not in but and integrity.damage(directory / str(s), checksums=False) is None]
+
+
+def _choices(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> str:
+    """What eval_step may be in ``workdir``, for an error message."""
+    intact = intact_steps(workdir, but)
+    if not intact:
+        return (f"{workdir / 'checkpoints'} holds no intact step: train there first, or "
+                "evaluate another run's workdir")
+    return (f"the intact steps in {workdir / 'checkpoints'} are {intact}: give one of them "
+            f"(--config.eval_step=N), or leave eval_step unset for the newest ({intact[-1]})")
 
 
 def _evaluate_init_from(run: run_setup.Run) -> dict[str, float]:
@@ -181,17 +223,25 @@ def _being_removed(checkpointer: ckpt_lib.Checkpointer, step: int, keep: int) ->
             or 0 < keep <= sum(s > step for s in steps))
 
 
+def _damage_only(damage: ckpt_lib.DamagedStep) -> str:
+    """The damage ``damage`` names, without the trainer's way out."""
+    return str(damage).split(". If it is")[0]
+
+
 def _older_intact(checkpointer: ckpt_lib.Checkpointer, step: int, latest: bool,
                   damage: ckpt_lib.DamagedStep, newest: ckpt_lib.DamagedStep | None) -> int:
     """The step to try after ``step`` was found damaged: the next older one, when eval.py
-    evaluates the newest intact step (no --step), with a warning naming the damage; else
-    (or when none is older) the newest damage is raised. Nothing is moved aside: a run may
-    be training in the workdir."""
+    evaluates the newest intact step (eval_step unset), with a warning naming the damage.
+    A step asked for by number is one error naming it and the intact steps; when no step is
+    older, the newest damage is raised. Nothing is moved aside: a run may be training in the
+    workdir."""
+    if not latest and damage.reason != "wrong-tree":   # another model: not damage
+        raise ValueError(f"eval_step={step}: {_damage_only(damage)}; "
+                         f"{_choices(checkpointer.directory.parent, but=(step,))}") from damage
     older = [s for s in checkpointer.manager.all_steps() if s < step]
     if not (latest and older) or damage.reason == "wrong-tree" and newest is None:
         raise newest or damage
-    logging.warning("%s; evaluating step %d instead", str(damage).split(". If it is")[0],
-                    max(older))
+    logging.warning("%s; evaluating step %d instead", _damage_only(damage), max(older))
     return max(older)
 
 
@@ -223,9 +273,10 @@ def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
                 steps = [s for s in steps if s != step]
             if not (latest and steps):
                 raise ValueError(
-                    f"step={step}: {checkpointer.directory / str(step)} was removed while it was "
-                    "read (a run training there keeps only the latest checkpoint.keep steps); "
-                    f"evaluate one of {steps} with --step, or the latest without it")
+                    f"eval_step={step}: {checkpointer.directory / str(step)} was removed while "
+                    "it was read (a run training there keeps only the latest checkpoint.keep "
+                    f"steps); evaluate one of {steps} with --config.eval_step=N, or the newest "
+                    "with eval_step unset")
             step = steps[-1]
             checkpointer.manager.reload()
         raise ValueError(f"{checkpointer.directory}: the latest step kept changing while it "

@@ -265,7 +265,19 @@ def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
 
 
 def pretrained_config(cfg_file: pathlib.Path) -> dict[str, Any]:
-    return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    """The model config saved beside ``init_from``'s params ({} when there is none); one
+    ValueError naming the file when it is not a JSON object."""
+    if not cfg_file.exists():
+        return {}
+    try:
+        saved = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:   # UnicodeDecodeError and JSONDecodeError included
+        saved = e
+    if not isinstance(saved, dict):
+        why = saved if isinstance(saved, Exception) else "not a JSON object"
+        raise ValueError(f"init_from: {cfg_file} is damaged ({why}): it should hold the saved "
+                         "model's config as JSON; copy or convert the checkpoint again")
+    return saved
 
 
 def saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:

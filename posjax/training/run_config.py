@@ -25,10 +25,11 @@ from posjax.training.tasks import make_task
 # model.gather only say how the same model is computed (recomputed activations, DeBERTa's
 # relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
-# data_root only seeds the recipes' data paths, which are compared themselves.
+# data_root only seeds the recipes' data paths, which are compared themselves. eval_step only
+# says which saved step eval.py reads (train.py refuses it: run_setup.prepare).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
                     "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather",
-                    "profile", "data_root")
+                    "profile", "data_root", "eval_step")
 
 
 # Keys a resumed run may change besides OPERATIONAL_KEYS: its length (a decaying learning-rate

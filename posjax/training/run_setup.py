@@ -88,6 +88,10 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     processes.check_same_config(config)   # first: else one process may fail alone on its own config
     task = make_task(config)
     run_config.validate_training_config(config)
+    if training and config.get("eval_step") is not None:
+        raise ValueError(f"eval_step={config.eval_step!r} applies to eval.py only (the saved "
+                         "step it evaluates): train.py evaluates the steps it reaches; leave "
+                         "eval_step unset here")
     task.validate()
     mesh = mesh_lib.build_mesh(config.mesh)
     mesh_lib.validate_batch(config, mesh)

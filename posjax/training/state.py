@@ -48,16 +48,27 @@ def _is_sharding(x: Any) -> bool:
 
 def abstract_state(task: Task, model: nn.Module, tx: optax.GradientTransformation,
                    mesh: Mesh, seed: int) -> tuple[TrainState, TrainState]:
-    """(abstract state with shardings attached, the state's NamedShardings) — no compute."""
-    batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(mesh_lib.batch_shards(mesh)).items()}
-    boxed = jax.eval_shape(lambda: task.init_params(model, jax.random.PRNGKey(seed), batch))
+    """(abstract state with shardings attached, the state's NamedShardings) — no compute:
+    everything is traced, nothing compiled (a run refused after this compiled nothing)."""
+    batch = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+             for k, v in task.dummy_batch(mesh_lib.batch_shards(mesh)).items()}
+    boxed = jax.eval_shape(lambda b: task.init_params(model, jax.random.PRNGKey(seed), b),
+                           batch)
     param_shardings = mesh_lib.logical_shardings(boxed, mesh)
     params = nn.unbox(boxed)
     opt_state = jax.eval_shape(tx.init, params)
     replicated = mesh_lib.replicated(mesh)
-    opt_shardings = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, opt_state, param_shardings,
-        transform_non_params=lambda _: replicated, is_leaf=_is_sharding)
+    found = []
+
+    def opt_shardings_traced() -> None:
+        # tree_map_params runs tx.init on placeholders: traced here, its arrays (step counts)
+        # are not computed, so nothing is compiled. The result holds shardings only.
+        found.append(optax.tree_utils.tree_map_params(
+            tx, lambda _, s: s, opt_state, param_shardings,
+            transform_non_params=lambda _: replicated, is_leaf=_is_sharding))
+
+    jax.eval_shape(opt_shardings_traced)
+    opt_shardings = found[0]
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
                         opt_state=opt_state)

@@ -73,10 +73,12 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
 
 def resume_changes(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
     """'key: saved -> current' for the keys a resume may change (``run_config.RESUME_KEYS``)
-    that do change; ``distributed`` (per process) and ``init_from`` (kept) left out."""
+    that do change; ``distributed`` (per process), ``init_from`` (kept) and ``eval_step``
+    (eval.py's; absent from a config.json saved before it existed) left out."""
     changes = run_config.config_differences(saved, config_defaults.config_dict(config), ())
     return [c for c in changes if run_config.under(c.split(":")[0], run_config.RESUME_KEYS)
-            and not run_config.under(c.split(":")[0], ("distributed", "init_from"))]
+            and not run_config.under(c.split(":")[0], ("distributed", "init_from",
+                                                       "eval_step"))]
 
 
 def check_data_identity(workdir: pathlib.Path, config: ml_collections.ConfigDict,
