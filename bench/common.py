@@ -136,6 +136,20 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def repeats_for(step_s: float, target_s: float = 0.5, cap: int = 20) -> int:
+    """How many steps to time together so that one timing lasts about ``target_s`` (small
+    models' steps of a few ms are too short to time one by one on a shared machine)."""
+    return max(1, min(cap, round(target_s / max(step_s, 1e-9))))
+
+
+def timed_steps(step: Callable[[], Any], count: int) -> float:
+    """Seconds per call of ``step`` (which blocks), timed over ``count`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(count):
+        step()
+    return (time.perf_counter() - t0) / count
+
+
 def one_line_error(e: BaseException, limit: int = 500) -> str:
     """'Type: first line of the message' of an exception, for the notes of a report."""
     text = str(e).strip().splitlines()
