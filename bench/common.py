@@ -68,6 +68,7 @@ class Scale:
     budget_s: float      # wall-clock budget for the whole invocation (0: none)
     dtype: str = "float32"   # compute dtype of the models (bf16 with --gpu)
     xla_options: dict[str, Any] | None = None   # --xla-option: ours is also timed with these
+    models: tuple[str, ...] = ()   # --models: throughput times only these (name prefixes)
 
     @property
     def smoke(self) -> bool:

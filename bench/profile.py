@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import gzip
 import json
+import math
 import pathlib
 import re
 import sys
@@ -73,6 +74,7 @@ class Instruction:
     calls: list[str]
     kind: str = ""
     operands: list[str] = dataclasses.field(default_factory=list)
+    attrs: str = ""
 
 
 def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -98,7 +100,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
         current.append(Instruction(name, opcode, shape, op.group(1) if op else "",
                                    _CALLS.findall(rest), kind.group(1) if kind else "",
-                                   operands))
+                                   operands, rest.split("metadata=", 1)[0]))
     return computations, entry
 
 
@@ -150,7 +152,8 @@ def categorize(inst: Instruction, comps: dict[str, list[Instruction]],
     model = "jvp(" in own or (not inst.op_name and "jvp(" in joined)
     if opcodes & {"dot", "convolution"}:
         dots = [i.op_name for i in ops if i.opcode in ("dot", "convolution")]
-        dense = any(set(_module_path(n)[0][-1:]) & _DENSE_MODULES for n in dots)
+        dense = any({m.split(".")[-1] for m in _module_path(n)[0][-1:]} & _DENSE_MODULES
+                    for n in dots)
         if not dense and any(_ATTENTION_PRODUCT.search(n) for n in dots):
             return "attention matmuls"
         return "dense matmuls"
@@ -190,6 +193,34 @@ def categorize(inst: Instruction, comps: dict[str, list[Instruction]],
     if "jvp()" in own:
         return "loss"
     return "other elementwise"
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def dot_flops(inst: Instruction, comps: dict[str, list[Instruction]]) -> float:
+    """2 · multiply-adds of the dots ``inst`` runs (itself or inside its fusion); 0 for none
+    (convolutions are not counted)."""
+    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    total = 0.0
+    for i in _inner(inst, comps):
+        if i.opcode != "dot" or not i.operands:
+            continue
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
+        lhs = _dims(shapes.get(i.operands[0], ""))
+        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if (
+            contracting and lhs) else 0
+        total += 2.0 * math.prod(_dims(i.shape)) * k
+    return total
+
+
+def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
+    """'YNNPACK' (a library fusion), 'XLA dot' (XLA's own dot thunk: Eigen) or 'convolution'."""
+    if any(i.opcode == "convolution" for i in _inner(inst, comps)):
+        return "convolution"
+    return "YNNPACK" if inst.kind == "kCustom" else "XLA dot"
 
 
 def categorize_module(text: str) -> tuple[dict[str, tuple[str, Instruction]], str]:
@@ -257,6 +288,7 @@ class Profile:
     top: list[tuple[str, str, float, str]]    # (op, category, ms per step, detail)
     wall_ms: list[float]
     note: str = ""
+    matmuls: list[list[Any]] = dataclasses.field(default_factory=list)   # see matmul_table
 
     @property
     def total_ms(self) -> float:
@@ -295,10 +327,25 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
         cat, inst = categories.get(op, ("other elementwise", None))
         detail = "" if inst is None else f"{inst.shape} {_short_op_name(inst.op_name)}"
         rows.append((op, cat, median([r.get(op, 0.0) for r in per_run]) / 1e3, detail))
+    comps, _ = parse_hlo(trainer._compiled.as_text())
+    groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for op in {op for r in per_run for op in r}:
+        cat, inst = categories.get(op, ("", None))
+        if inst is None or cat not in ("dense matmuls", "attention matmuls"):
+            continue
+        backward = "transpose(jvp" in inst.op_name or (
+            not inst.op_name and "transpose(jvp" in " ".join(i.op_name for i in
+                                                           _inner(inst, comps)))
+        entry = groups[(cat, matmul_kind(inst, comps), "backward" if backward else "forward")]
+        entry[0] += 1
+        entry[1] += median([r.get(op, 0.0) for r in per_run]) / 1e3
+        entry[2] += dot_flops(inst, comps) / 1e9
+    matmuls = [[c, k, pss, n, ms, gf, gf / ms * 1e3 if ms and gf else float("nan")]
+               for (c, k, pss), (n, ms, gf) in sorted(groups.items())]
     note = (f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
             + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
     return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
-                   note)
+                   note, matmuls)
 
 
 def _short_op_name(op_name: str) -> str:
@@ -351,13 +398,17 @@ def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
     trainer.step(), trainer.step()
     per_step: list[dict[str, float]] = []
     per_op_steps: list[dict[str, float]] = []
+    op_flops: dict[str, tuple[int, float]] = {}
     wall = []
     for _ in range(steps):   # one profiler per step: medians over steps, as for ours
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    with_flops=True) as prof:
             wall.append(timed(trainer.step) * 1e3)
         ops: dict[str, float] = collections.defaultdict(float)
         for avg in prof.key_averages():
             ops[avg.key] += avg.self_cpu_time_total / 1e3
+            if avg.flops:
+                op_flops[avg.key] = (avg.count, avg.flops / 1e9)
         per_op_steps.append(dict(ops))
         sums: dict[str, float] = collections.defaultdict(float)
         for name, ms in ops.items():
@@ -370,7 +421,15 @@ def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
             for n in names[:top]]
     note = (f"attention {trainer.attn_implementation}, AdamW {trainer.optimizer_kind}, "
             f"{torch.get_num_threads()} threads")
-    return Profile("hf", workload.name, {k: v for k, v in cats.items() if v}, rows, wall, note)
+    matmuls = []
+    for name, (count, gflop) in sorted(op_flops.items()):
+        if torch_category(name) not in ("dense matmuls", "attention matmuls"):
+            continue
+        ms = median([s.get(name, 0.0) for s in per_op_steps])
+        matmuls.append([torch_category(name), name, "both", count, ms, gflop,
+                        gflop / ms * 1e3 if ms else float("nan")])
+    return Profile("hf", workload.name, {k: v for k, v in cats.items() if v}, rows, wall, note,
+                   matmuls)
 
 
 # --------------------------------------------------------------------------- tables
@@ -411,6 +470,18 @@ def breakdown_table(model: str, profiles: Sequence[Profile]) -> Table:
                  "% = share of the sum of ops; the wall-time row's % is wall / sum (below 100: "
                  "ops overlapped on the two threads).")
     return Table(f"Where the step time goes: {model}", cols, rows, notes)
+
+
+def matmul_table(profiles: Sequence[Profile]) -> Table:
+    """Per framework, the matrix products by kind: count, ms and GFLOP per step, GFLOP/s."""
+    rows = [[p.framework] + r for p in profiles for r in p.matmuls]
+    return Table(f"Matrix products: {profiles[0].model}",
+                 ["framework", "category", "kernel", "pass", "ops", "ms per step",
+                  "GFLOP per step", "GFLOP/s"], rows,
+                 ["ours: kernel = how XLA:CPU runs the product (a YNNPACK library fusion or "
+                  "its own dot thunk), GFLOP counted from the optimized HLO's dot shapes "
+                  "(convolutions: not counted); hf: torch.profiler's FLOP count of each aten "
+                  "op (forward and backward together)."])
 
 
 def top_table(profile: Profile) -> Table:
@@ -474,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiles.append(profile_ours(w, args.steps, options, args.top))
         if "hf" in frameworks and w.hf:
             profiles.append(profile_hf(w, args.steps, args.top))
-        tables = [breakdown_table(w.name, profiles)] + [top_table(pr) for pr in profiles]
+        tables = ([breakdown_table(w.name, profiles), matmul_table(profiles)]
+                  + [top_table(pr) for pr in profiles])
         text = "\n".join(t.markdown() for t in tables)
         print(text, flush=True)
         parts.append(text)
