@@ -12,11 +12,13 @@ backward, ``threefry`` for random bits; outside ``jvp`` it is the optimizer). Hu
 same steps of ``HFTrainer`` under ``torch.profiler``; each aten op's self time is put in the
 same categories by its name.
 
-Both measure the time of each op on the thread that runs it (XLA's thunks may run two at a
-time, torch's ops run one after another, each using the intra-op threads), so a category's
-ms is comparable across the frameworks and the categories of one step add up to about the
-step's wall time (``sum / wall`` gives the ratio). Each category's ms is the median over the
-traced steps; tracing costs a few per cent of the step.
+Both give each op wall time: torch's ops run one after another (each using the intra-op
+threads), and their self times add up to the step; XLA's thunks may be in flight two or
+three at a time (one per core, plus XLA's own dots, which finish asynchronously on Eigen's
+pool), so each instant is shared equally among the thunks in flight (``thunk_times``). A
+category's ms is thus comparable across the frameworks, and the categories of one step add
+up to about its wall time (the table's last row). Each category's ms is the median over
+the traced steps; tracing costs a few per cent of the step.
 """
 from __future__ import annotations
 
@@ -253,28 +255,60 @@ def _trace_events(directory: pathlib.Path) -> list[dict[str, Any]]:
 
 def thunk_times(events: Iterable[dict[str, Any]], module: str
                 ) -> tuple[list[dict[str, float]], set[str]]:
-    """Per execution (run_id) of ``module``: {hlo_op: summed µs} of its top-level thunks; and
-    the names of thunks nested in another of the same run on the same thread (while loops'
-    bodies), which are left out so that nothing is counted twice."""
+    """Per execution (run_id) of ``module``: {hlo_op: µs of wall time} of its top-level
+    thunks; and the names of thunks nested in another of the same run on the same thread
+    (while loops' bodies), left out so that nothing is counted twice.
+
+    A thunk lasts from its event's start to the end of its ``end: <op>`` event: XLA's own dot
+    thunks hand their work to Eigen's pool and return at once, finishing later. Thunks in
+    flight at the same time (up to one per core, and the asynchronous dots) share each
+    instant of wall time equally, so that a step's ops add up to its busy wall time."""
     runs: dict[str, list[tuple[float, float, Any, str]]] = collections.defaultdict(list)
+    ends: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
-        if e.get("ph") != "X" or args.get("hlo_module") != module or "hlo_op" not in args:
+        if e.get("ph") != "X":
             continue
-        runs[args.get("run_id", "")].append((float(e["ts"]), float(e["dur"]), e.get("tid"),
-                                              args["hlo_op"]))
+        if str(e.get("name", "")).startswith("end: "):
+            ends[e["name"][5:]].append(float(e["ts"]) + float(e.get("dur", 0.0)))
+        elif args.get("hlo_module") == module and "hlo_op" in args:
+            runs[args.get("run_id", "")].append((float(e["ts"]), float(e["dur"]), e.get("tid"),
+                                                  args["hlo_op"]))
+    for times in ends.values():
+        times.sort()
     out, nested_names = [], set()
     for run_id in sorted(runs, key=lambda r: min(t for t, *_ in runs[r])):
-        per_op: dict[str, float] = collections.defaultdict(float)
+        spans: list[tuple[float, float, str]] = []
         open_until: dict[Any, float] = {}
         for ts, dur, tid, op in sorted(runs[run_id]):
             if ts < open_until.get(tid, -1.0):
                 nested_names.add(op)
                 continue
             open_until[tid] = ts + dur
-            per_op[op] += dur
-        out.append(dict(per_op))
+            done = [t for t in ends.get(op, ()) if t >= ts]
+            spans.append((ts, max(ts + dur, done[0] if done else ts + dur), op))
+        out.append(_share_wall_time(spans))
     return out, nested_names
+
+
+def _share_wall_time(spans: Sequence[tuple[float, float, str]]) -> dict[str, float]:
+    """{op: µs}: every instant of wall time split equally among the spans covering it."""
+    points = sorted({t for a, b, _ in spans for t in (a, b)})
+    share: dict[str, float] = collections.defaultdict(float)
+    starts = sorted(spans)
+    active: list[tuple[float, float, str]] = []
+    i = 0
+    for left, right in zip(points, points[1:]):
+        while i < len(starts) and starts[i][0] <= left:
+            active.append(starts[i])
+            i += 1
+        active = [s for s in active if s[1] > left]
+        if active:
+            for _, _, op in active:
+                share[op] += (right - left) / len(active)
+    for _, _, op in spans:
+        share.setdefault(op, 0.0)
+    return dict(share)
 
 
 @dataclasses.dataclass
@@ -466,9 +500,10 @@ def breakdown_table(model: str, profiles: Sequence[Profile]) -> Table:
     rows.append(wall)
     notes = [f"{p.framework}: median over {len(p.wall_ms)} traced steps; {p.note}."
              for p in profiles]
-    notes.append("ms = time of the category's ops on the thread that ran them, per step; "
-                 "% = share of the sum of ops; the wall-time row's % is wall / sum (below 100: "
-                 "ops overlapped on the two threads).")
+    notes.append("ms = wall time of the category's ops per step (ours: each instant shared "
+                 "equally among the thunks in flight; HF: torch's self time per op); % = share "
+                 "of the sum of ops; the wall-time row's % is wall / sum (above 100: time "
+                 "between ops, e.g. dispatch and tracing).")
     return Table(f"Where the step time goes: {model}", cols, rows, notes)
 
 

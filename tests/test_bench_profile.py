@@ -47,17 +47,21 @@ def test_elementwise_work_is_named_by_what_it_computes(categorized):
     assert all(i.opcode == "copy" for i in by["parameter copies"])
 
 
-def test_thunk_times_per_run_without_nested_thunks():
+def test_thunk_times_share_wall_time_and_follow_asynchronous_ends():
     def event(ts, dur, op, run, tid=1):
         return {"ph": "X", "ts": ts, "dur": dur, "tid": tid,
                 "args": {"hlo_module": "jit_step", "hlo_op": op, "run_id": run}}
+
+    def end(ts, op):
+        return {"ph": "X", "ts": ts, "dur": 0.0, "tid": 3, "name": f"end: {op}"}
     events = [event(0, 10, "while.1", "a"), event(1, 2, "body_add", "a"),   # nested: left out
-              event(12, 3, "dot.1", "a"), event(12, 4, "dot.2", "a", tid=2),
+              event(12, 4, "dot.1", "a"), event(12, 4, "add.2", "a", tid=2),  # side by side
+              event(20, 1, "dot.3", "a"), end(30, "dot.3"),        # returns at 21, done at 30
               event(100, 5, "dot.1", "b"), event(106, 1, "dot.1", "b"),
               {"ph": "X", "ts": 0, "dur": 99, "tid": 1,
                "args": {"hlo_module": "jit_other", "hlo_op": "x", "run_id": "c"}}]
     runs, nested = profile.thunk_times(events, "jit_step")
-    assert runs == [{"while.1": 10, "dot.1": 3, "dot.2": 4}, {"dot.1": 6}]
+    assert runs == [{"while.1": 10, "dot.1": 2, "add.2": 2, "dot.3": 10}, {"dot.1": 6}]
     assert nested == {"body_add"}
 
 
