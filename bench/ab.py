@@ -2,7 +2,7 @@
 
     python -m bench.ab [--before REV|DIR] [--after REV|DIR] [--before-option K=V ...]
                        [--after-option K=V ...] [--models BERT-A,TUPE-R,DeBERTa-v3,ViT-S/16]
-                       [--rounds N]
+                       [--rounds N]      (--models study: the study's small MLM models)
 
 ``before`` is posjax at git revision REV (default HEAD), or the posjax/ package inside the folder
 REV, imported from a temporary copy under another package name; ``after`` is the working tree
@@ -11,7 +11,8 @@ REV, imported from a temporary copy under another package name; ``after`` is the
 same process too. Each round steps both variants back to back, in alternating order; the
 table gives the median (and min–max) over rounds of t_before / t_after (> 1: after is faster),
 with the load average before and after. Same CPU workloads, batch and seeds as the throughput
-suite; compilation and a warm-up step are excluded.
+suite; compilation and a warm-up step are excluded. Steps shorter than ~0.5 s (the study's
+small models) are timed several in a row, the same count for both variants.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ if __package__ in (None, ""):   # `python bench/ab.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import (Progress, Table, load_average, median, median_ratio,  # noqa: E402
-                          parse_options, ratio_range, timed)
-from bench.workloads import OursTrainer, throughput_workloads  # noqa: E402
+                          parse_options, ratio_range, repeats_for, timed, timed_steps)
+from bench.workloads import OursTrainer, all_workloads  # noqa: E402
 from posjax.training.host_memory import keep_freed_memory  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -71,11 +72,12 @@ def compare(workload, before_package, before_options, after_package, after_optio
     before = OursTrainer(workload, compiler_options=before_options, package=before_package)
     after = OursTrainer(workload, compiler_options=after_options, package=after_package)
     before.step(), after.step()   # warm-up
+    count = repeats_for(min(timed(before.step), timed(after.step)))
     t_before, t_after = [], []
     for r in range(rounds):
         pair = [(before, t_before), (after, t_after)]
         for trainer, times in (pair if r % 2 == 0 else pair[::-1]):
-            times.append(timed(trainer.step))
+            times.append(timed_steps(trainer.step, count))
     del before, after
     gc.collect()
     return t_before, t_after
@@ -93,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="comma-separated name prefixes of the throughput workloads")
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    workloads = throughput_workloads("cpu")
+    workloads = all_workloads("cpu")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     chosen = [w for w in workloads if any(w.name.startswith(n) for n in names)]
     unknown = [n for n in names if not any(w.name.startswith(n) for w in workloads)]

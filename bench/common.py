@@ -68,6 +68,7 @@ class Scale:
     budget_s: float      # wall-clock budget for the whole invocation (0: none)
     dtype: str = "float32"   # compute dtype of the models (bf16 with --gpu)
     xla_options: dict[str, Any] | None = None   # --xla-option: ours is also timed with these
+    models: tuple[str, ...] = ()   # --models: throughput times only these (name prefixes)
 
     @property
     def smoke(self) -> bool:
@@ -134,6 +135,20 @@ def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def repeats_for(step_s: float, target_s: float = 0.5, cap: int = 20) -> int:
+    """How many steps to time together so that one timing lasts about ``target_s`` (small
+    models' steps of a few ms are too short to time one by one on a shared machine)."""
+    return max(1, min(cap, round(target_s / max(step_s, 1e-9))))
+
+
+def timed_steps(step: Callable[[], Any], count: int) -> float:
+    """Seconds per call of ``step`` (which blocks), timed over ``count`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(count):
+        step()
+    return (time.perf_counter() - t0) / count
 
 
 def one_line_error(e: BaseException, limit: int = 500) -> str:

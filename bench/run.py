@@ -50,8 +50,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="XLA compile option; throughput then times our step both without and "
                         "with the options (e.g. xla_cpu_experimental_ynn_fusion_type= : "
                         "YNNPACK fusions off)")
+    p.add_argument("--models", default="",
+                   help="throughput: only the models whose names start with one of these "
+                        "comma-separated prefixes (e.g. 'study' for the study's small models)")
     args = p.parse_args(argv)
     problems = []
+    args.models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     try:
         args.xla_options = parse_options(args.xla_option, "--xla-option")
     except ValueError as e:
@@ -100,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _set_torch_threads()
     size = "smoke" if args.smoke else ("gpu" if args.gpu else "cpu")
     scale = Scale(size, args.runs, args.budget, "bfloat16" if args.gpu else "float32",
-                  args.xla_options)
+                  args.xla_options, args.models)
     modules = {"throughput": throughput, "attention": attention, "compile": compile_time,
                "pipelines": pipelines}
     command = "python -m bench " + " ".join(argv)

@@ -1,9 +1,11 @@
 """Suite ``throughput``: training-step time of ours vs Hugging Face, MFU, and scheme overheads.
 
-Models of one group (the text models; then ViT) are built together and stepped round-robin:
+Models of one group (the text models; then ViT; then the text study's small MLM models) are
+built together and stepped round-robin:
 each round runs one step of every model in both frameworks back to back, so a ratio taken
 within a round compares runs that saw the same machine load. Ratios are medians over rounds;
-compilation and the first (warm-up) step of every model are excluded.
+compilation and the first (warm-up) step of every model are excluded. Steps shorter than
+~0.5 s (the small models) are timed several in a row, the same count in both frameworks.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import traceback
 from typing import Any
 
 from bench.common import (Budget, Progress, Scale, Table, measure_peak_flops, median,
-                          median_ratio, one_line_error, ratio_range, say, timed)
-from bench.workloads import HFTrainer, OursTrainer, Workload, throughput_workloads, train_flops
+                          median_ratio, one_line_error, ratio_range, repeats_for, say, timed,
+                          timed_steps)
+from bench.workloads import HFTrainer, OursTrainer, Workload, all_workloads, train_flops
 
 SPEEDUP_TITLE = "Train-step throughput: ours vs Hugging Face"
 TARGET_SPEEDUP = 1.3       # ours must train >= 1.3x faster than HF (CPU, fp32)
@@ -23,8 +26,20 @@ TARGET_TUPE = 1.05         # TUPE-R step time <= 1.05x BERT-A
 def run(scale: Scale, budget: Budget, context: dict) -> list[Table]:
     """Tables: speed vs HF, MFU, overheads; stores ours examples/s in ``context``."""
     peak = measure_peak_flops(512 if scale.smoke else (8192 if scale.gpu else 2048), scale.dtype)
-    workloads = throughput_workloads(scale.name, scale.dtype)
-    groups = [[w for w in workloads if w.is_text], [w for w in workloads if not w.is_text]]
+    workloads = all_workloads(scale.name, scale.dtype)
+    groups = [[w for w in workloads if w.is_text and not w.is_mlm],
+              [w for w in workloads if not w.is_text], [w for w in workloads if w.is_mlm]]
+    if scale.gpu:   # the study's models are CPU-sized
+        workloads = [w for w in workloads if not w.is_mlm]
+        groups = groups[:2]
+    if scale.models:
+        unknown = [m for m in scale.models if not any(w.name.startswith(m) for w in workloads)]
+        if unknown:
+            raise ValueError(f"--models: no model starts with {unknown}; the models are "
+                             f"{[w.name for w in workloads]}")
+        workloads = [w for w in workloads if any(w.name.startswith(m) for m in scale.models)]
+        groups = [[w for w in g if w in workloads] for g in groups]
+        groups = [g for g in groups if g]
     results: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
     failures: list[str] = []
@@ -73,15 +88,16 @@ def _measure_group(group: list[Workload], scale: Scale, budget: Budget
         hf_trainer = hf[_hf_key(w)]
         if all(t is not hf_trainer for _, t in order):
             order.append((f"hf:{w.name}", hf_trainer))
-    for _, trainer in order:        # warm-up step (first-call allocations, torch autotuning)
-        trainer.step()
+    warm = {name: timed(trainer.step) for name, trainer in order}   # first-call allocations
+    counts = {name: repeats_for(min(t for n, t in warm.items() if n.split(":", 1)[1] == model))
+              for name in warm for model in [name.split(":", 1)[1]]}
     times: dict[str, list[float]] = {name: [] for name, _ in order}
     progress = Progress("throughput", [1.0] * scale.runs)
     for r in range(scale.runs):
         if r >= 2 and budget.left() <= 0:
             break
         for name, trainer in order:
-            times[name].append(timed(trainer.step))
+            times[name].append(timed_steps(trainer.step, counts[name]))
         progress.tick(f"{names}: round {r + 1}")
     out = {}
     for w in group:
@@ -92,7 +108,8 @@ def _measure_group(group: list[Workload], scale: Scale, budget: Budget
                        "params": o.num_params, "hf_params": h.num_params,
                        "hf_attn": h.attn_implementation, "hf_optimizer": h.optimizer_kind,
                        "hf_device": h.device.type,
-                       "same_hf_as": hf_name.split(":", 1)[1]}
+                       "same_hf_as": hf_name.split(":", 1)[1],
+                       "steps_per_timing": counts[f"ours:{w.name}"]}
         if w.name in flagged:
             out[w.name]["ours_options"] = times[f"ours+options:{w.name}"]
     return out
@@ -115,7 +132,8 @@ def _with_options(scale: Scale) -> dict[str, Any]:
 
 def _hf_key(w: Workload) -> tuple:
     c = w.cfg
-    return (w.hf, c.hidden_size, c.num_layers, getattr(c, "vocab_size", 0), w.batch, w.tokens)
+    return (w.hf, w.task, c.hidden_size, c.num_layers, getattr(c, "vocab_size", 0), w.batch,
+            w.tokens)
 
 
 def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
@@ -130,6 +148,9 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
         hf_name = "HF " + ({"bert": "BertForSequenceClassification",
                             "deberta_v2": "DebertaV2ForSequenceClassification",
                             "vit": "ViTForImageClassification"}[w.hf])
+        if w.is_mlm:
+            hf_name = "HF " + {"bert": "BertForMaskedLM", "deberta_v2": "DebertaV2ForMaskedLM"}[
+                w.hf]
         rows.append([w.name, hf_name + ("" if r["same_hf_as"] == w.name else " †"),
                      f"{w.batch} × {w.tokens}",
                      f"{r['params'] / 1e6:.1f}M / {r['hf_params'] / 1e6:.1f}M",
@@ -142,11 +163,19 @@ def _speed_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
              "dropout as configured (text 0.1, ViT 0), compile and warm-up excluded.",
              "† " + "HF has no TUPE; its row reuses the HF BERT-A timings (absolute positions, "
              "equal size): the closest architecture, doing strictly less work than TUPE-R."]
+    if any(w.is_mlm for w in workloads if w.name in res):
+        notes.append("study models: masked-LM steps of the text study (configs/study_text.py), "
+                     "cross-entropy on the masked slots; both frameworks run the encoder on "
+                     "every token and the tied 30,522-word output layer on the slots alone "
+                     "(HF: the base model's hidden states gathered at the slots, then its own "
+                     "MLM head); several steps per timing (ours/HF the same count): "
+                     + ", ".join(f"{w.name} {res[w.name].get('steps_per_timing', 1)}"
+                                 for w in workloads if w.is_mlm and w.name in res) + ".")
     notes.append("Ours computes the last layer for [CLS] alone (Encoder(first_only=True): the "
                  "classifier reads only that row; exact), HF every row. Analytic matmul FLOPs "
                  "per step, ours / HF: " + ", ".join(
                      f"{w.name} {train_flops(w) / train_flops(w, every_row=True):.2f}"
-                     for w in workloads if w.name in res) + ".")
+                     for w in workloads if w.name in res and not w.is_mlm) + ".")
     notes.append("HF attention implementation: "
                  + ", ".join(f"{name}: {r['hf_attn']}" for name, r in res.items())
                  + "; torch AdamW: "
@@ -219,7 +248,8 @@ def _mfu_table(workloads: list[Workload], res: dict[str, dict[str, Any]],
 
 
 def _overhead_table(workloads: list[Workload], res: dict[str, dict[str, Any]]) -> Table:
-    by_scheme = {w.cfg.position_scheme: w.name for w in workloads if w.name in res}
+    by_scheme = {w.cfg.position_scheme: w.name for w in workloads if w.name in res
+                 and not w.is_mlm}
     rows = []
     base = by_scheme.get("bert_abs")
     if base is None:

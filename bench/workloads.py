@@ -2,7 +2,8 @@
 
 A ``Workload`` is one model at one size with one batch. Both frameworks train it the same way:
 classification cross-entropy (text: 2 labels on [CLS] through the pooler; images: 1000 classes on
-[CLS]), AdamW (lr 1e-4, weight decay 0.01, β = (0.9, 0.999), ε = 1e-8), fp32 parameters,
+[CLS]) or, for the study's small models (``study_workloads``), masked-LM cross-entropy over the
+masked slots of each sequence (the 30,522-word tied output layer on those slots alone), AdamW (lr 1e-4, weight decay 0.01, β = (0.9, 0.999), ε = 1e-8), fp32 parameters,
 dropout as configured and active (train mode).
 
 Ours: ``posjax`` modules and a plain ``jax.jit(value_and_grad + optax.adamw)`` step with donated
@@ -23,7 +24,8 @@ import numpy as np
 import optax
 
 from bench.common import block
-from posjax import TextConfig, TextForSequenceClassification, ViT, ViTConfig
+from posjax import (TextConfig, TextForMaskedLM, TextForSequenceClassification, ViT,
+                    ViTConfig)
 from posjax.training import flops
 
 LEARNING_RATE = 1e-4
@@ -41,6 +43,8 @@ class Workload:
     num_labels: int = 2
     hf: str | None = None        # 'bert' | 'deberta_v2' | 'vit'
     hf_note: str = ""
+    task: str = "classify"       # 'classify' ([CLS] / image classes) | 'mlm' (masked slots)
+    predictions: int = 0         # mlm: masked slots per sequence (M)
 
     @property
     def is_text(self) -> bool:
@@ -50,6 +54,10 @@ class Workload:
     def tokens(self) -> int:
         """Sequence length the encoder sees."""
         return self.length if self.is_text else self.cfg.num_tokens
+
+    @property
+    def is_mlm(self) -> bool:
+        return self.task == "mlm"
 
 
 # --------------------------------------------------------------------------- model zoo
@@ -115,6 +123,46 @@ def throughput_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
     ]
 
 
+STUDY_CELLS = (("study BERT-A", "bert_abs", "bert"), ("study TUPE-R", "tupe_r", "bert"),
+               ("study DeBERTa-v3", "deberta_v2_no_emd", "deberta_v2"))
+STUDY_HF_NOTE = ("HF has no TUPE: HF column is BertForMaskedLM (absolute), equal size")
+
+
+def study_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
+    """The text study's MLM models as it trains them (configs/study_text.py: its base config
+    and cells, expanded by ``posjax.study.spec``): 4 layers × 128 (4 heads, MLP 512), BERT
+    vocabulary, batch 32 × 64 tokens, 12 masked slots per sequence; BERT-A, TUPE-R and
+    DeBERTa-v3 without EMD (HF's DeBERTa MLM head has none). ``smoke``: the dimensions of the
+    study's tiny variant (2 layers × 32, batch 8 × 32), vocabulary 30,522 all the same."""
+    from configs import study_text
+    from posjax.data.text import max_predictions
+    from posjax.study.spec import check_study
+    base, cells = check_study(study_text.get_config())
+    batch, length = int(base.batch_size), int(base.data.max_seq_length)
+    slots = max_predictions(base.data)
+    small: dict[str, Any] = {}
+    if scale == "smoke":
+        batch, length, slots = 8, 32, 8
+        small = dict(hidden_size=32, num_heads=2, num_layers=2, mlp_dim=64)
+    out = []
+    for name, cell, hf in STUDY_CELLS:
+        entry = next(c for c in cells if c.name == cell)
+        model = dict(entry.model, dtype=dtype, use_emd=False, **small)
+        if small and entry.model.get("max_position_embeddings"):
+            model["max_position_embeddings"] = length
+        if small and entry.scheme.startswith("deberta"):
+            model.update(max_relative_positions=length, position_buckets=length // 2)
+        out.append(Workload(name, TextConfig(**model), batch, length, hf=hf, task="mlm",
+                            predictions=slots,
+                            hf_note=STUDY_HF_NOTE if entry.scheme == "tupe_r" else ""))
+    return out
+
+
+def all_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
+    """The throughput table's models, then the study's small MLM models."""
+    return throughput_workloads(scale, dtype) + study_workloads(scale, dtype)
+
+
 # --------------------------------------------------------------------------- analytic FLOPs
 
 def forward_flops(w: Workload, every_row: bool = False) -> float:
@@ -133,6 +181,10 @@ def forward_flops(w: Workload, every_row: bool = False) -> float:
     cfg, b, seq = w.cfg, w.batch, w.tokens
     if not w.is_text:
         return flops.vit_forward_flops(cfg, first_only=not every_row).total(b)
+    if w.is_mlm:   # both frameworks decode the masked slots alone
+        from posjax.training.text_tasks import mlm_head_flops
+        return float((flops.text_encoder_forward_flops(cfg, seq)
+                      + mlm_head_flops(cfg, w.predictions, seq)).total(b))
     h = cfg.hidden_size
     head = flops.Flops(per_example=2 * h * h + 2 * h * w.num_labels)
     return float((flops.text_encoder_forward_flops(cfg, seq, first_only=not every_row)
@@ -150,8 +202,18 @@ def train_flops(w: Workload, every_row: bool = False) -> float:
 # --------------------------------------------------------------------------- inputs
 
 def make_batch(w: Workload, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random full-length token ids (or images in [-1, 1]) and labels, as numpy."""
+    """Random full-length token ids (or images in [-1, 1]) and labels, as numpy; MLM: also
+    ``masked_positions`` (B, M), distinct sorted positions in 1 … L − 1, and their targets
+    ``masked_ids``."""
     rng = np.random.default_rng(seed)
+    if w.is_mlm:
+        positions = np.sort(np.stack([rng.choice(np.arange(1, w.length), w.predictions,
+                                                 replace=False) for _ in range(w.batch)]), -1)
+        return {"input_ids": rng.integers(1, w.cfg.vocab_size, (w.batch, w.length), np.int32),
+                "attention_mask": np.ones((w.batch, w.length), np.int32),
+                "masked_positions": positions.astype(np.int32),
+                "masked_ids": rng.integers(1, w.cfg.vocab_size, (w.batch, w.predictions),
+                                           np.int32)}
     if w.is_text:
         return {"input_ids": rng.integers(1, w.cfg.vocab_size, (w.batch, w.length), np.int32),
                 "attention_mask": np.ones((w.batch, w.length), np.int32),
@@ -168,6 +230,8 @@ def build_model(w: Workload, package: Any = None) -> nn.Module:
     """The posjax model of ``w``; ``package``: another copy of posjax (e.g. an older revision
     imported by bench/ab.py) whose config and model classes to use instead."""
     if package is None:
+        if w.is_mlm:
+            return TextForMaskedLM(w.cfg)
         if w.is_text:
             return TextForSequenceClassification(w.cfg, num_labels=w.num_labels)
         return ViT(w.cfg)
@@ -180,6 +244,8 @@ def build_model(w: Workload, package: Any = None) -> nn.Module:
     if changed:
         raise ValueError(f"{package.__name__} has no config field(s) {changed} that {w.name} sets")
     cfg = config_cls(**{k: v for k, v in fields.items() if k in known})
+    if w.is_mlm:
+        return package.TextForMaskedLM(cfg)
     if w.is_text:
         return package.TextForSequenceClassification(cfg, num_labels=w.num_labels)
     return package.ViT(cfg)
@@ -188,6 +254,9 @@ def build_model(w: Workload, package: Any = None) -> nn.Module:
 def _logits(model: nn.Module, params: Any, batch: dict[str, jax.Array], key: jax.Array,
             is_text: bool) -> jax.Array:
     rngs = {"dropout": key}
+    if "masked_positions" in batch:
+        return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
+                           masked_positions=batch["masked_positions"], train=True, rngs=rngs)
     if is_text:
         return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
                            train=True, rngs=rngs)
@@ -199,7 +268,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, is_text:
 
     def loss_fn(params, batch, key):
         logits = _logits(model, params, batch, key, is_text).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+        labels = batch["masked_ids"] if "masked_ids" in batch else batch["labels"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     def step(params, opt_state, batch, key):
         key, dropout_key = jax.random.split(key)
@@ -271,7 +341,8 @@ def hf_model(w: Workload):
             type_vocab_size=max(cfg.type_vocab_size, 1), layer_norm_eps=cfg.layer_norm_eps,
             hidden_dropout_prob=cfg.dropout_rate,
             attention_probs_dropout_prob=cfg.attention_dropout_rate, num_labels=w.num_labels)
-        model = transformers.BertForSequenceClassification(hc)
+        model = (transformers.BertForMaskedLM if w.is_mlm
+                 else transformers.BertForSequenceClassification)(hc)
     elif w.hf == "deberta_v2":
         hc = transformers.DebertaV2Config(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -286,7 +357,8 @@ def hf_model(w: Workload):
             attention_probs_dropout_prob=cfg.attention_dropout_rate,
             pooler_dropout=cfg.dropout_rate,
             pooler_hidden_act=cfg.pooler_act, num_labels=w.num_labels)
-        model = transformers.DebertaV2ForSequenceClassification(hc)
+        model = (transformers.DebertaV2ForMaskedLM if w.is_mlm
+                 else transformers.DebertaV2ForSequenceClassification)(hc)
     elif w.hf == "vit":
         hc = transformers.ViTConfig(
             hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -324,7 +396,12 @@ class HFTrainer:
                                                weight_decay=WEIGHT_DECAY)
             self.optimizer_kind = "default"
         batch = make_batch(w, seed)
-        self.labels = torch.from_numpy(batch.pop("labels").astype(np.int64)).to(self.device)
+        labels = batch.pop("masked_ids" if w.is_mlm else "labels")
+        self.labels = torch.from_numpy(labels.astype(np.int64)).to(self.device)
+        self.masked_positions = None
+        if w.is_mlm:
+            self.masked_positions = torch.from_numpy(
+                batch.pop("masked_positions").astype(np.int64)).to(self.device)
         if w.is_text:
             self.inputs = {k: torch.from_numpy(v.astype(np.int64)).to(self.device)
                            for k, v in batch.items()}
@@ -338,10 +415,26 @@ class HFTrainer:
         torch = self._torch
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = self.model(**self.inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float(), self.labels)
+            if self.masked_positions is None:
+                logits = self.model(**self.inputs).logits
+            else:
+                logits = self._masked_logits()
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2),
+                                                 self.labels.flatten())
         loss.backward()
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.loss = loss.detach()
+
+    def _masked_logits(self):
+        """MLM logits at the masked slots alone (B, M, V), as ours decodes them: the encoder's
+        last hidden states gathered at ``masked_positions``, then the model's own MLM head
+        (HF's forward would decode every token)."""
+        torch = self._torch
+        hidden = self.model.base_model(**self.inputs)[0]
+        rows = hidden[torch.arange(hidden.shape[0], device=hidden.device)[:, None],
+                      self.masked_positions]
+        if hasattr(self.model, "cls"):
+            return self.model.cls(rows)
+        return self.model.lm_predictions(rows, self.model.base_model.embeddings.word_embeddings)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posjax.layers.dropout import Dropout, bit_width, dropout, keep_threshold, uniform_fields
+from posjax.layers.dropout import (Dropout, bit_width, dropout, keep_threshold, random_words,
+                                   uniform_fields)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.25, 0.5, 0.9])
@@ -78,3 +79,25 @@ def test_gradient_is_the_mask_times_the_scale():
 def test_bad_rate_is_rejected_with_the_value(rate):
     with pytest.raises(ValueError, match=rf"rate={rate!r}"):
         dropout(jnp.ones(3), rate, jax.random.key(0))
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5, 7), (8, 12, 128, 64), (2, 0, 3)])
+@pytest.mark.parametrize("make_key", [lambda: jax.random.key(42),
+                                      lambda: jax.random.fold_in(jax.random.key(3), 11),
+                                      lambda: jax.random.PRNGKey(5),
+                                      lambda: jax.random.key(1, impl="rbg")])
+def test_random_words_are_jax_random_bits(make_key, shape):
+    key = make_key()
+    expected = jax.random.bits(key, shape, jnp.uint32)
+    for fn in (random_words, jax.jit(random_words, static_argnums=1)):
+        got = fn(key, shape)
+        assert got.dtype == jnp.uint32 and got.shape == shape
+        assert jnp.array_equal(got, expected)
+
+
+def test_random_words_of_a_threefry_key_are_one_fused_loop():
+    """The unrolled hash compiles without the while loop of JAX's CPU lowering."""
+    text = jax.jit(random_words, static_argnums=1).lower(jax.random.key(0), (64, 64)).as_text()
+    assert "while" not in text and "threefry" not in text
+    assert "while" in jax.jit(lambda k: jax.random.bits(k, (64, 64), jnp.uint32)).lower(
+        jax.random.key(0)).as_text()

@@ -58,3 +58,36 @@ def test_skew_and_take_agree_beyond_the_table():
     params = nn.meta.unbox(layer["take"].init(jax.random.key(0), x, x, rel_table=table))
     out = {g: m.apply(params, x, x, rel_table=table) for g, m in layer.items()}
     np.testing.assert_allclose(out["skew"], out["take"], atol=2e-5)
+
+
+def _gather_gradient(full, index, g):
+    from posjax.layers.disentangled import relative_gather
+    return jax.vjp(lambda f: relative_gather(f, index), full)[1](g)[0]
+
+
+def test_small_static_gather_gradient_is_a_product_not_a_scatter(monkeypatch):
+    """Up to ONEHOT_GRADIENT_MAX one-hot elements the gradient is an einsum with the constant
+    one-hot, equal to the scatter-add's; beyond it XLA's scatter-add (the control)."""
+    from posjax.layers import disentangled
+    rng = np.random.default_rng(0)
+    full = jnp.asarray(rng.normal(size=(2, 3, 9, 7)), jnp.float32)
+    index = rng.integers(0, 7, (9, 11))
+    g = jnp.asarray(rng.normal(size=(2, 3, 9, 11)), jnp.float32)
+    expected = jax.vjp(lambda f: disentangled._static_take(f, index), full)[1](g)[0]
+    got = _gather_gradient(full, index, g)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert jnp.array_equal(disentangled.relative_gather(full, index),
+                           disentangled._static_take(full, index))
+
+    def scatters(fn):
+        return [e for e in every_eqn(jax.make_jaxpr(fn)(full, g).jaxpr)
+                if e.primitive.name.startswith("scatter")]
+    assert not scatters(lambda f, g: _gather_gradient(f, index, g))
+    monkeypatch.setattr(disentangled, "ONEHOT_GRADIENT_MAX", 0)
+    assert scatters(lambda f, g: _gather_gradient(f, index, g))
+
+
+def test_static_gather_refuses_rows_outside_the_table():
+    from posjax.layers.disentangled import relative_gather
+    with pytest.raises(ValueError, match="outside the 4 table rows"):
+        relative_gather(jnp.ones((1, 1, 3, 4)), np.full((3, 3), 4))

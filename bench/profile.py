@@ -1,0 +1,605 @@
+"""``python -m bench profile``: where the time of one training step goes, per kind of op.
+
+    python -m bench profile [--models BERT-A,ViT-S/16] [--frameworks ours,hf] [--steps 3]
+                            [--top 10] [--smoke] [--xla-option K=V ...] [--out F.md]
+
+Ours: the compiled step of ``bench.workloads.OursTrainer`` is traced with ``jax.profiler``
+over ``--steps`` steps (after two warm-up steps). XLA:CPU records one event per executed thunk,
+named after its instruction of the optimized HLO; each instruction is put in a category from
+what it computes (the opcodes of its fused computation) and where it comes from (the
+``op_name`` metadata JAX writes: the Flax module path, ``jvp``/``transpose`` for forward and
+backward, ``threefry`` for random bits; outside ``jvp`` it is the optimizer). Hugging Face: the
+same steps of ``HFTrainer`` under ``torch.profiler``; each aten op's self time is put in the
+same categories by its name.
+
+Both give each op wall time: torch's ops run one after another (each using the intra-op
+threads), and their self times add up to the step; XLA's thunks may be in flight two or
+three at a time (one per core, plus XLA's own dots, which finish asynchronously on Eigen's
+pool), so each instant is shared equally among the thunks in flight (``thunk_times``). A
+category's ms is thus comparable across the frameworks, and the categories of one step add
+up to about its wall time (the table's last row). Each category's ms is the median over
+the traced steps; tracing costs a few per cent of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import math
+import pathlib
+import re
+import sys
+import tempfile
+import time
+from typing import Any, Iterable, Sequence
+
+from bench.common import Table, load_average, median, parse_options, timed
+
+CATEGORIES = (
+    "dense matmuls",          # projections, MLP, pooler/head, patch embedding (fwd + bwd)
+    "attention matmuls",      # scores q·k, weights·v and their gradients (+ DeBERTa's terms)
+    "fused attention",        # torch SDPA kernels (matmuls + softmax in one op)
+    "softmax",                # attention softmax and its gradient (with scaling and masking)
+    "position terms",         # TUPE/T5 biases, DeBERTa's relative gathers and shifts
+    "LayerNorm",
+    "GELU",
+    "dropout RNG",            # random bits for the dropout masks
+    "dropout apply",          # masking and scaling
+    "transposes/copies",      # data movement: transposes (and what is fused with them), copies
+    "parameter copies",       # XLA's copies of the (donated) parameters
+    "embedding gather/scatter",
+    "AdamW",                  # the optimizer update (and torch's zero_grad)
+    "loss",
+    "other elementwise",      # residual adds, biases, scalings, reductions not named above
+    "framework overhead",     # torch autograd bookkeeping, XLA control thunks
+)
+
+
+# --------------------------------------------------------------------------- optimized HLO
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+@dataclasses.dataclass
+class Instruction:
+    """One HLO instruction: its opcode, result type, op_name and called computations."""
+
+    name: str
+    opcode: str
+    shape: str
+    op_name: str
+    calls: list[str]
+    kind: str = ""
+    operands: list[str] = dataclasses.field(default_factory=list)
+    attrs: str = ""
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Computations of an optimized HLO module's text -> ({name: instructions}, entry name)."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            m = _COMPUTATION.match(line)
+            if m:
+                current = computations.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = m.group(1)
+            elif line.startswith("}"):
+                current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if current is None or not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        op = _OP_NAME.search(rest)
+        kind = re.search(r"kind=(k\w+)", rest)
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        current.append(Instruction(name, opcode, shape, op.group(1) if op else "",
+                                   _CALLS.findall(rest), kind.group(1) if kind else "",
+                                   operands, rest.split("metadata=", 1)[0]))
+    return computations, entry
+
+
+def _inner(inst: Instruction, comps: dict[str, list[Instruction]]) -> list[Instruction]:
+    """Every instruction ``inst`` runs: itself and, recursively, those of its computations."""
+    out, stack, seen = [inst], list(inst.calls), set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for sub in comps[name]:
+            out.append(sub)
+            stack.extend(sub.calls)
+    return out
+
+
+_DATA_MOVEMENT = {"parameter", "constant", "bitcast", "copy", "transpose", "reshape",
+                  "broadcast", "concatenate", "slice", "dynamic-slice", "dynamic-update-slice",
+                  "pad", "tuple", "get-tuple-element", "iota", "reverse", "convert"}
+_ATTENTION_PRODUCT = re.compile(r"bhqk|->bhq|bqhd,bkhd|,chd->|c2p|p2c")
+_DENSE_MODULES = {"query", "key", "value", "out", "fc1", "fc2", "pooler", "classifier", "head",
+                  "embedding", "dense", "pre_logits", "embed_proj", "query_for_positions",
+                  "key_for_positions", "conv", "pos_proj", "pos_q_proj", "attend"}
+_POSITION_MODULES = {"tupe_bias", "relative_bias", "rel_norm", "position_embeddings"}
+_MODEL_PREFIX = re.compile(r"^.*?(?:transpose\()?jvp\(\w*\)\)?/?")
+
+
+def _module_path(op_name: str) -> tuple[list[str], str]:
+    """(Flax module path, primitive) of an op_name inside the model, e.g.
+    'jit(step)/transpose(jvp(ViT))/encoder/layer_0/mlp/mul' -> (['encoder', 'layer_0', 'mlp'],
+    'mul'); jit(...) wrappers are dropped."""
+    path = _MODEL_PREFIX.sub("", op_name)
+    parts = [p for p in path.split("/") if p and not p.startswith("jit(")]
+    return (parts[:-1], parts[-1]) if parts else ([], "")
+
+
+def categorize(inst: Instruction, comps: dict[str, list[Instruction]],
+               parameters: frozenset[str] = frozenset()) -> str:
+    """The CATEGORIES entry of one instruction of our step: what it computes (the opcodes of
+    its fused computation) and where it comes from (JAX's op_name: Flax module path,
+    jvp/transpose for forward/backward, threefry for random bits, none of them: optimizer)."""
+    ops = _inner(inst, comps)
+    opcodes = {i.opcode for i in ops} - {"parameter", "constant"}
+    names = [i.op_name for i in ops if i.op_name]
+    joined = " ".join(names)
+    paths = [n for n in names if n.startswith("jit(")]
+    own = inst.op_name or (collections.Counter(paths).most_common(1)[0][0] if paths else "")
+    model = "jvp(" in own or (not inst.op_name and "jvp(" in joined)
+    if opcodes & {"dot", "convolution"}:
+        dots = [i.op_name for i in ops if i.opcode in ("dot", "convolution")]
+        dense = any({m.split(".")[-1] for m in _module_path(n)[0][-1:]} & _DENSE_MODULES
+                    for n in dots)
+        if not dense and any(_ATTENTION_PRODUCT.search(n) for n in dots):
+            return "attention matmuls"
+        return "dense matmuls"
+    if "threefry" in joined or (opcodes & {"xor", "shift-left", "shift-right-logical"}
+                                and any(i.shape.startswith("u32") for i in ops)):
+        return "dropout RNG"
+    if inst.opcode == "copy" and inst.calls == [] and inst.operands[:1] and (
+            inst.operands[0] in parameters):
+        return "parameter copies"
+    if opcodes <= {"tuple", "get-tuple-element", "while", "conditional", "call", "bitcast"}:
+        return "framework overhead"
+    if not model:
+        if "take_along_axis" in joined or "jvp()" in joined:
+            return "loss"
+        return "AdamW" if names else "transposes/copies"
+    modules, primitive = _module_path(own)
+    if opcodes & {"gather", "scatter"}:
+        if "take_along_axis" in joined:
+            return "loss"
+        if set(modules) & _POSITION_MODULES or "attention" in modules:
+            return "position terms"
+        return "embedding gather/scatter"
+    if "transpose" in opcodes or primitive == "transpose" or opcodes <= _DATA_MOVEMENT:
+        if set(modules) & _POSITION_MODULES or ("attention" in modules and "pad" in opcodes):
+            return "position terms"
+        return "transposes/copies"
+    if set(modules) & _POSITION_MODULES or "rel_embeddings" in joined:
+        return "position terms"
+    if any(m.endswith("norm") or m.startswith("LayerNorm") for m in modules):
+        return "LayerNorm"
+    if any(m.startswith("Dropout") or m == "dropout" for m in modules):
+        return "dropout apply"
+    if modules[-1:] == ["mlp"] or "erf" in opcodes:
+        return "GELU"
+    if modules[-1:] == ["attention"]:
+        return "softmax"
+    if "jvp()" in own:
+        return "loss"
+    return "other elementwise"
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def dot_flops(inst: Instruction, comps: dict[str, list[Instruction]]) -> float:
+    """2 · multiply-adds of the dots ``inst`` runs (itself or inside its fusion); 0 for none
+    (convolutions are not counted)."""
+    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    total = 0.0
+    for i in _inner(inst, comps):
+        if i.opcode != "dot" or not i.operands:
+            continue
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
+        lhs = _dims(shapes.get(i.operands[0], ""))
+        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if (
+            contracting and lhs) else 0
+        total += 2.0 * math.prod(_dims(i.shape)) * k
+    return total
+
+
+def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
+    """'YNNPACK' (a library fusion), 'XLA dot' (XLA's own dot thunk: Eigen) or 'convolution'."""
+    if any(i.opcode == "convolution" for i in _inner(inst, comps)):
+        return "convolution"
+    return "YNNPACK" if inst.kind == "kCustom" else "XLA dot"
+
+
+def categorize_module(text: str) -> tuple[dict[str, tuple[str, Instruction]], str]:
+    """{instruction name: (category, instruction)} for every instruction of the entry
+    computation and of the computations it calls (a thunk event may name either), and the
+    module's name."""
+    comps, entry = parse_hlo(text)
+    module = re.match(r"HloModule ([\w.\-]+)", text)
+    parameters = frozenset(i.name for i in comps.get(entry, []) if i.opcode == "parameter")
+    out: dict[str, tuple[str, Instruction]] = {}
+    for comp_name, insts in comps.items():
+        for inst in insts:
+            if inst.name not in out:
+                out[inst.name] = (categorize(inst, comps, parameters), inst)
+    for inst in comps.get(entry, []):   # the entry's own wins over a same-named inner one
+        out[inst.name] = (categorize(inst, comps, parameters), inst)
+    return out, module.group(1) if module else ""
+
+
+# --------------------------------------------------------------------------- our trace
+
+def _trace_events(directory: pathlib.Path) -> list[dict[str, Any]]:
+    files = sorted(directory.rglob("*.trace.json.gz"))
+    if not files:
+        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {directory}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def thunk_times(events: Iterable[dict[str, Any]], module: str
+                ) -> tuple[list[dict[str, float]], set[str]]:
+    """Per execution (run_id) of ``module``: {hlo_op: µs of wall time} of its top-level
+    thunks; and the names of thunks nested in another of the same run on the same thread
+    (while loops' bodies), left out so that nothing is counted twice.
+
+    A thunk lasts from its event's start to the end of its ``end: <op>`` event: XLA's own dot
+    thunks hand their work to Eigen's pool and return at once, finishing later. Thunks in
+    flight at the same time (up to one per core, and the asynchronous dots) share each
+    instant of wall time equally, so that a step's ops add up to its busy wall time."""
+    runs: dict[str, list[tuple[float, float, Any, str]]] = collections.defaultdict(list)
+    ends: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X":
+            continue
+        if str(e.get("name", "")).startswith("end: "):
+            ends[e["name"][5:]].append(float(e["ts"]) + float(e.get("dur", 0.0)))
+        elif args.get("hlo_module") == module and "hlo_op" in args:
+            runs[args.get("run_id", "")].append((float(e["ts"]), float(e["dur"]), e.get("tid"),
+                                                  args["hlo_op"]))
+    for times in ends.values():
+        times.sort()
+    out, nested_names = [], set()
+    for run_id in sorted(runs, key=lambda r: min(t for t, *_ in runs[r])):
+        spans: list[tuple[float, float, str]] = []
+        open_until: dict[Any, float] = {}
+        for ts, dur, tid, op in sorted(runs[run_id]):
+            if ts < open_until.get(tid, -1.0):
+                nested_names.add(op)
+                continue
+            open_until[tid] = ts + dur
+            done = [t for t in ends.get(op, ()) if t >= ts]
+            spans.append((ts, max(ts + dur, done[0] if done else ts + dur), op))
+        out.append(_share_wall_time(spans))
+    return out, nested_names
+
+
+def _share_wall_time(spans: Sequence[tuple[float, float, str]]) -> dict[str, float]:
+    """{op: µs}: every instant of wall time split equally among the spans covering it."""
+    points = sorted({t for a, b, _ in spans for t in (a, b)})
+    share: dict[str, float] = collections.defaultdict(float)
+    starts = sorted(spans)
+    active: list[tuple[float, float, str]] = []
+    i = 0
+    for left, right in zip(points, points[1:]):
+        while i < len(starts) and starts[i][0] <= left:
+            active.append(starts[i])
+            i += 1
+        active = [s for s in active if s[1] > left]
+        if active:
+            for _, _, op in active:
+                share[op] += (right - left) / len(active)
+    for _, _, op in spans:
+        share.setdefault(op, 0.0)
+    return dict(share)
+
+
+@dataclasses.dataclass
+class Profile:
+    """One framework's profile of one model: category -> ms per step (median over steps),
+    the top ops, the traced steps' wall times."""
+
+    framework: str
+    model: str
+    categories: dict[str, float]
+    top: list[tuple[str, str, float, str]]    # (op, category, ms per step, detail)
+    wall_ms: list[float]
+    note: str = ""
+    matmuls: list[list[Any]] = dataclasses.field(default_factory=list)   # see matmul_table
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.categories.values())
+
+
+def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | None = None,
+                 top: int = 10) -> Profile:
+    """Trace ``steps`` steps of our compiled step (after two warm-up steps)."""
+    import jax
+    from bench.workloads import OursTrainer
+    trainer = OursTrainer(workload, compiler_options=compiler_options)
+    trainer.step(), trainer.step()
+    categories, module = categorize_module(trainer._compiled.as_text())
+    with tempfile.TemporaryDirectory(prefix="posjax_profile_") as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        try:
+            wall = [timed(trainer.step) * 1e3 for _ in range(steps)]
+        finally:
+            jax.profiler.stop_trace()
+        per_run, nested = thunk_times(_trace_events(pathlib.Path(tmp)), module)
+    per_run = [r for r in per_run if r][-steps:]
+    if not per_run:
+        raise RuntimeError(f"the trace holds no thunk of module {module!r}")
+    per_step = []
+    for run in per_run:
+        sums: dict[str, float] = collections.defaultdict(float)
+        for op, us in run.items():
+            sums[categories.get(op, ("other elementwise", None))[0]] += us / 1e3
+        per_step.append(sums)
+    cats = {c: median([s.get(c, 0.0) for s in per_step]) for c in CATEGORIES}
+    ops = sorted({op for r in per_run for op in r},
+                 key=lambda op: -median([r.get(op, 0.0) for r in per_run]))
+    rows = []
+    for op in ops[:top]:
+        cat, inst = categories.get(op, ("other elementwise", None))
+        detail = "" if inst is None else f"{inst.shape} {_short_op_name(inst.op_name)}"
+        rows.append((op, cat, median([r.get(op, 0.0) for r in per_run]) / 1e3, detail))
+    comps, _ = parse_hlo(trainer._compiled.as_text())
+    groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for op in {op for r in per_run for op in r}:
+        cat, inst = categories.get(op, ("", None))
+        if inst is None or cat not in ("dense matmuls", "attention matmuls"):
+            continue
+        backward = "transpose(jvp" in inst.op_name or (
+            not inst.op_name and "transpose(jvp" in " ".join(i.op_name for i in
+                                                           _inner(inst, comps)))
+        entry = groups[(cat, matmul_kind(inst, comps), "backward" if backward else "forward")]
+        entry[0] += 1
+        entry[1] += median([r.get(op, 0.0) for r in per_run]) / 1e3
+        entry[2] += dot_flops(inst, comps) / 1e9
+    matmuls = [[c, k, pss, n, ms, gf, gf / ms * 1e3 if ms and gf else float("nan")]
+               for (c, k, pss), (n, ms, gf) in sorted(groups.items())]
+    note = (f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
+            + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
+    return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
+                   note, matmuls)
+
+
+def _short_op_name(op_name: str) -> str:
+    """The tail of a JAX op_name that says what the op is (module path and primitive)."""
+    text = op_name.replace("jit(step)/", "").replace("TextForSequenceClassification", "")
+    text = text.replace("TextForMaskedLM", "")
+    parts = [p for p in text.split("/") if p]
+    return "/".join(parts[-4:])
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+_TORCH_CATEGORIES = (
+    (r"_fused_adamw|adamw", "AdamW"),
+    (r"scaled_dot_product|flash_attention|_efficient_attention", "fused attention"),
+    (r"^aten::(bmm|baddbmm)$", "attention matmuls"),
+    (r"^aten::(mm|addmm|matmul|linear|convolution|_convolution|mkldnn_convolution|"
+     r"convolution_backward|_slow_conv2d_forward|_slow_conv2d_backward|"
+     r"mkldnn_convolution_backward|addmv|mv|dot)$", "dense matmuls"),
+    (r"softmax", "softmax"),
+    (r"layer_norm", "LayerNorm"),
+    (r"gelu", "GELU"),
+    (r"bernoulli|uniform_|rand|native_dropout$", "dropout RNG"),
+    (r"dropout", "dropout apply"),
+    (r"embedding|index_select|index_add|gather|scatter|take|index$", "embedding gather/scatter"),
+    (r"cross_entropy|nll_loss|log_softmax", "loss"),
+    (r"^aten::(copy_|contiguous|clone|t|transpose|permute|view|reshape|_unsafe_view|expand|"
+     r"as_strided|cat|stack|split|chunk|slice|select|unsqueeze|squeeze|flatten|narrow|"
+     r"empty|empty_like|empty_strided|resize_|alias|detach|_reshape_alias|unbind|to|_to_copy|"
+     r"new_empty|new_empty_strided|zeros|zeros_like|ones|ones_like|full|lift_fresh|"
+     r"expand_as|view_as|unflatten|_unsafe_split)$", "transposes/copies"),
+    (r"^autograd::|^torch::autograd::|Backward\d*$|^\[|Optimizer|^ProfilerStep|"
+     r"^record_param_comms", "framework overhead"),
+)
+
+
+def torch_category(name: str) -> str:
+    """The CATEGORIES entry of a torch profiler event name."""
+    for pattern, category in _TORCH_CATEGORIES:
+        if re.search(pattern, name):
+            return category
+    return "other elementwise"
+
+
+def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
+    """``torch.profiler`` over ``steps`` steps of the HF counterpart (after two warm-ups)."""
+    import torch
+    from bench.workloads import HFTrainer
+    trainer = HFTrainer(workload)
+    trainer.step(), trainer.step()
+    per_step: list[dict[str, float]] = []
+    per_op_steps: list[dict[str, float]] = []
+    op_flops: dict[str, tuple[int, float]] = {}
+    wall = []
+    for _ in range(steps):   # one profiler per step: medians over steps, as for ours
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    with_flops=True) as prof:
+            wall.append(timed(trainer.step) * 1e3)
+        ops: dict[str, float] = collections.defaultdict(float)
+        for avg in prof.key_averages():
+            ops[avg.key] += avg.self_cpu_time_total / 1e3
+            if avg.flops:
+                op_flops[avg.key] = (avg.count, avg.flops / 1e9)
+        per_op_steps.append(dict(ops))
+        sums: dict[str, float] = collections.defaultdict(float)
+        for name, ms in ops.items():
+            sums[torch_category(name)] += ms
+        per_step.append(sums)
+    cats = {c: median([s.get(c, 0.0) for s in per_step]) for c in CATEGORIES}
+    names = sorted({n for s in per_op_steps for n in s},
+                   key=lambda n: -median([s.get(n, 0.0) for s in per_op_steps]))
+    rows = [(n, torch_category(n), median([s.get(n, 0.0) for s in per_op_steps]), "")
+            for n in names[:top]]
+    note = (f"attention {trainer.attn_implementation}, AdamW {trainer.optimizer_kind}, "
+            f"{torch.get_num_threads()} threads")
+    matmuls = []
+    for name, (count, gflop) in sorted(op_flops.items()):
+        if torch_category(name) not in ("dense matmuls", "attention matmuls"):
+            continue
+        ms = median([s.get(name, 0.0) for s in per_op_steps])
+        matmuls.append([torch_category(name), name, "both", count, ms, gflop,
+                        gflop / ms * 1e3 if ms else float("nan")])
+    return Profile("hf", workload.name, {k: v for k, v in cats.items() if v}, rows, wall, note,
+                   matmuls)
+
+
+# --------------------------------------------------------------------------- tables
+
+def breakdown_table(model: str, profiles: Sequence[Profile]) -> Table:
+    """ms per step and share per category, one column pair per framework."""
+    cols = ["category"]
+    for p in profiles:
+        cols += [f"{p.framework} ms", f"{p.framework} %"]
+    if len(profiles) == 2:
+        cols.append(f"{profiles[0].framework} − {profiles[1].framework} ms")
+    rows = []
+    for c in CATEGORIES:
+        values = [p.categories.get(c, 0.0) for p in profiles]
+        if not any(values):
+            continue
+        row: list[Any] = [c]
+        for p, v in zip(profiles, values):
+            row += [v, 100 * v / p.total_ms if p.total_ms else float("nan")]
+        if len(profiles) == 2:
+            row.append(values[0] - values[1])
+        rows.append(row)
+    total: list[Any] = ["sum of ops"]
+    for p in profiles:
+        total += [p.total_ms, 100.0]
+    if len(profiles) == 2:
+        total.append(profiles[0].total_ms - profiles[1].total_ms)
+    rows.append(total)
+    wall: list[Any] = ["step wall time (traced)"]
+    for p in profiles:
+        wall += [median(p.wall_ms), 100 * median(p.wall_ms) / p.total_ms]
+    if len(profiles) == 2:
+        wall.append(median(profiles[0].wall_ms) - median(profiles[1].wall_ms))
+    rows.append(wall)
+    notes = [f"{p.framework}: median over {len(p.wall_ms)} traced steps; {p.note}."
+             for p in profiles]
+    notes.append("ms = wall time of the category's ops per step (ours: each instant shared "
+                 "equally among the thunks in flight; HF: torch's self time per op); % = share "
+                 "of the sum of ops; the wall-time row's % is wall / sum (above 100: time "
+                 "between ops, e.g. dispatch and tracing).")
+    return Table(f"Where the step time goes: {model}", cols, rows, notes)
+
+
+def matmul_table(profiles: Sequence[Profile]) -> Table:
+    """Per framework, the matrix products by kind: count, ms and GFLOP per step, GFLOP/s."""
+    rows = [[p.framework] + r for p in profiles for r in p.matmuls]
+    return Table(f"Matrix products: {profiles[0].model}",
+                 ["framework", "category", "kernel", "pass", "ops", "ms per step",
+                  "GFLOP per step", "GFLOP/s"], rows,
+                 ["ours: kernel = how XLA:CPU runs the product (a YNNPACK library fusion or "
+                  "its own dot thunk), GFLOP counted from the optimized HLO's dot shapes "
+                  "(convolutions: not counted); hf: torch.profiler's FLOP count of each aten "
+                  "op (forward and backward together)."])
+
+
+def top_table(profile: Profile) -> Table:
+    return Table(f"Largest ops, {profile.framework}: {profile.model}",
+                 ["op", "category", "ms per step", "what"],
+                 [list(r) for r in profile.top], [])
+
+
+# --------------------------------------------------------------------------- entry point
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench profile",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="BERT-A,TUPE-R,DeBERTa-v3,ViT-S/16",
+                   help="comma-separated name prefixes of the throughput workloads")
+    p.add_argument("--frameworks", default="ours,hf", help="ours, hf or both")
+    p.add_argument("--steps", type=int, default=3, help="traced steps per model (medians)")
+    p.add_argument("--top", type=int, default=10, help="largest ops listed per framework")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="K=V",
+                   help="XLA compile option of our step")
+    p.add_argument("--out", default="", help="also write the tables to this .md file")
+    args = p.parse_args(argv)
+    from bench.workloads import all_workloads
+    scale = "smoke" if args.smoke else "cpu"
+    workloads = all_workloads(scale)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    chosen = [w for w in workloads if any(w.name.startswith(n) for n in names)]
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    problems = []
+    unknown = [n for n in names if not any(w.name.startswith(n) for w in workloads)]
+    if unknown or not chosen:
+        problems.append(f"--models={args.models!r}: unknown {unknown}; choose from "
+                        f"{[w.name for w in workloads]}")
+    if not frameworks or set(frameworks) - {"ours", "hf"}:
+        problems.append(f"--frameworks={args.frameworks!r}: give ours, hf or ours,hf")
+    if args.steps < 1:
+        problems.append(f"--steps={args.steps}: give at least 1")
+    try:
+        options = parse_options(args.xla_option, "--xla-option")
+    except ValueError as e:
+        problems.append(str(e))
+        options = None
+    if args.out and not pathlib.Path(args.out).parent.is_dir():
+        problems.append(f"--out={args.out}: folder {pathlib.Path(args.out).parent} does not "
+                        "exist")
+    if problems:
+        p.error("; ".join(problems))
+    if options is None and args.smoke:
+        options = {"xla_backend_optimization_level": 0}
+    _set_torch_threads()
+    command = "python -m bench profile " + " ".join(
+        argv if argv is not None else sys.argv[2:] if sys.argv[1:2] == ["profile"]
+        else sys.argv[1:])
+    load0, t0 = load_average(), time.perf_counter()
+    parts = [f"Command: `{command}`\n"]
+    print(parts[0], flush=True)
+    for w in chosen:
+        profiles = []
+        if "ours" in frameworks:
+            profiles.append(profile_ours(w, args.steps, options, args.top))
+        if "hf" in frameworks and w.hf:
+            profiles.append(profile_hf(w, args.steps, args.top))
+        tables = ([breakdown_table(w.name, profiles), matmul_table(profiles)]
+                  + [top_table(pr) for pr in profiles])
+        text = "\n".join(t.markdown() for t in tables)
+        print(text, flush=True)
+        parts.append(text)
+        print(f"[profile] {w.name} done, {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+    tail = (f"Load average before / after: {load0} / {load_average()}; wall time "
+            f"{time.perf_counter() - t0:.0f} s.\n")
+    print(tail)
+    parts.append(tail)
+    if args.out:
+        pathlib.Path(args.out).write_text("\n".join(parts))
+    return 0
+
+
+def _set_torch_threads() -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    import os
+    torch.set_num_threads(os.cpu_count() or 1)
