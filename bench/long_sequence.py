@@ -54,7 +54,8 @@ FULL = dict(hidden=768, heads=12, mlp=3072, layers=2, vocab=128100, block=512,
 SMOKE = dict(hidden=32, heads=4, mlp=64, layers=2, vocab=512, block=32, lengths=(64, 128))
 # Words in stderr of a child that ran out of its address space (XLA, torch, Python, C++).
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "MemoryError",
-                 "bad_alloc", "can't allocate memory", "Cannot allocate memory")
+                 "bad_alloc", "can't allocate memory", "Cannot allocate memory",
+                 "failed to map segment")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +192,9 @@ def measure_hf(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_main(spec: dict[str, Any]) -> int:
-    """Measure ``spec`` in this process; its result is the last stdout line (JSON)."""
+    """Measure ``spec`` in this process under its address-space cap (set here, before jax or
+    torch start any thread); its result is the last stdout line (JSON)."""
+    resource.setrlimit(resource.RLIMIT_AS, (int(spec["cap"]), int(spec["cap"])))
     from posjax.training.host_memory import keep_freed_memory
     keep_freed_memory()
     try:
@@ -241,16 +244,11 @@ def safe_cap(cap: int, wait_s: float, margin: int = 2 * GIB, poll_s: float = 10.
 def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run ``spec`` in a subprocess capped at ``spec['cap']`` bytes of address space; its
     result, or a "did not fit" / "failed" / "timed out" result when it died."""
-    cap = int(spec["cap"])
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.long_sequence", "--child",
-                               json.dumps(spec)], cwd=ROOT, env=env, preexec_fn=limit,
+                               json.dumps(spec)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"status": "timed out", "error": f"killed after {timeout_s:.0f} s",
@@ -468,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["wall_s"] = time.perf_counter() - t_start
         write(report, args.out)
         print(f"[{report['wall_s'] / 60:5.1f} min] {model} {path} L={length} "
-              f"layers={spec['layers']}: {result['status']}, {cell_time(result)} ms, peak RSS "
+              f"layers={spec['layers']}: {cell_time(result)} (ms), peak RSS "
               f"{cell_gib(result.get('peak_rss'))} GiB, XLA "
               f"{cell_gib(result['xla']['total']) if 'xla' in result else '—'} GiB",
               file=sys.stderr, flush=True)
