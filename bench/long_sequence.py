@@ -21,9 +21,12 @@ Every measurement runs in its own subprocess, one at a time, under an address-sp
 already maps, exceeds the cap the step is not run ("does not fit (XLA)"). Otherwise it runs:
 ``--runs`` timed steps after one warm-up below ``--one-step-from`` tokens, one timed step (no
 warm-up) from there. A step whose time, extrapolated ∝ L² from the last timed length of the
-same model and path, exceeds ``--max-step-s`` is compiled for its memory but not run. Peak
+same model and path, exceeds ``--max-step-s`` is compiled for its memory but not run; beyond a
+length that did not fit, longer ones of the same model and path are not tried (memory only
+grows with L; this also spares compiling a 16k plain step, which alone takes ~13 GiB). Peak
 memory is the child's peak RSS (``ru_maxrss``; it includes compiling). A child that dies or
-raises an allocation error under the cap is reported as "did not fit". ``--deep`` adds
+raises an allocation error under the cap is reported as "did not fit". Children use glibc's
+default malloc (freed memory is returned to the system). ``--deep`` adds
 compile-only rows at 12 layers (unrolled, and one ``lax.scan`` with remat per layer) for the
 memory a DeBERTa-v3-base-depth model would need.
 """
@@ -47,6 +50,7 @@ if __package__ in (None, ""):   # `python bench/long_sequence.py`
 SCHEMES = ("bert_abs", "bert_rel", "tupe_r", "deberta_v2", "rope", "alibi")
 TABLE_SCHEMES = ("bert_abs", "bert_rel", "tupe_r")   # read an absolute table: L rows given
 HF = "hf_deberta_v2"
+NOT_TRIED = "not tried"   # a shorter length of the same model and path did not fit
 PATHS = ("plain", "blocked")
 GIB = 2 ** 30
 FULL = dict(hidden=768, heads=12, mlp=3072, layers=2, vocab=128100, block=512,
@@ -148,10 +152,10 @@ def measure_ours(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"compile_s": time.perf_counter() - t0, "xla": xla_bytes(compiled),
                               "params": int(sum(np.prod(p.shape) for p in
                                                 jax.tree.leaves(params)))}
-    if not spec["runs"]:
-        return {**result, "status": "not run", "peak_rss": peak_rss_bytes()}
     if not fits(result["xla"], _vm_bytes(), spec["cap"]):
         return {**result, "status": "does not fit (XLA)", "peak_rss": peak_rss_bytes()}
+    if not spec["runs"]:
+        return {**result, "status": "not run", "peak_rss": peak_rss_bytes()}
     result["rss_before_run"] = peak_rss_bytes()
     times = _timed_steps(lambda: jax.block_until_ready(compiled(params, ids, mask)),
                          spec["runs"], spec["warmup"])
@@ -195,8 +199,9 @@ def child_main(spec: dict[str, Any]) -> int:
     """Measure ``spec`` in this process under its address-space cap (set here, before jax or
     torch start any thread); its result is the last stdout line (JSON)."""
     resource.setrlimit(resource.RLIMIT_AS, (int(spec["cap"]), int(spec["cap"])))
-    from posjax.training.host_memory import keep_freed_memory
-    keep_freed_memory()
+    # glibc's default malloc (not host_memory.keep_freed_memory, which the step-time suites
+    # use): large blocks are mapped and unmapped, so memory freed after compiling is returned
+    # rather than kept in a heap that a later multi-GiB block cannot reuse.
     try:
         result = measure_hf(spec) if spec["scheme"] == HF else measure_ours(spec)
     except Exception as e:   # an allocation failure under the cap is one line, not a crash
@@ -299,6 +304,8 @@ def cell_time(result: dict[str, Any] | None) -> str:
     if status == "does not fit (XLA)":
         gib = result["xla"]["total"] / GIB
         return f"does not fit (XLA {gib:,.1f} GiB" + (f", {cap})" if cap else ")")
+    if status == NOT_TRIED:
+        return f"not tried ({result['shorter']:,} did not fit)"
     if status == "not run":
         return "not run" + (f" (~{result['predicted_s']:,.0f} s)" if result.get("predicted_s")
                             else "")
@@ -352,7 +359,9 @@ def markdown(report: dict[str, Any]) -> str:
             "ru_maxrss (includes compiling and, for ours, the arguments). \"does not fit "
             "(XLA …)\": compiled, not run, as XLA's estimate exceeds the cap; \"not run (~N "
             "s)\": compiled, not run, as its time extrapolated ∝ L² exceeds --max-step-s; "
-            "\"did not fit\": the process ran out of its capped address space.", "",
+            "\"did not fit\": the process ran out of its capped address space; \"not tried (N "
+            "did not fit)\": skipped, as the shorter length N of the same model and path "
+            "did not fit.", "",
             "Largest L per model and path: measured (ran under the cap) / XLA's estimate "
             "within the cap (compiled, whether run or not).", "",
             "| model | plain: ran | blocked: ran | plain: XLA fits | blocked: XLA fits |",
@@ -475,14 +484,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in args.models:
         for path in (["plain"] if model == HF else args.paths):
             last: tuple[int, float] | None = None   # (length, s) of the last timed step
-            gone = False                             # HF: a shorter length did not fit
+            gone: int = 0          # a shorter length that did not fit (memory grows with L)
             for length in size["lengths"]:
                 predicted = predicted_step_s(last, length)
                 too_slow = predicted is not None and predicted > args.max_step_s
-                if model == HF and (gone or too_slow):
-                    why = "not tried (shorter length did not fit)" if gone else "not run"
+                if gone or (model == HF and too_slow):
                     report["rows"].append({"model": model, "path": path, "length": length,
-                                           "layers": size["layers"], "status": why,
+                                           "layers": size["layers"], "status": NOT_TRIED
+                                           if gone else "not run", "shorter": gone,
                                            "predicted_s": predicted})
                     continue
                 result = measure(model, path, length, 0 if too_slow else args.runs)
@@ -490,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result["predicted_s"] = predicted
                 if step_ms(result) is not None:
                     last = (length, step_ms(result) / 1e3)
-                gone = result["status"] in ("did not fit", "timed out")
+                if result["status"] in ("did not fit", "does not fit (XLA)", "timed out"):
+                    gone = length
     for item in deep:
         scheme, _, length = item.partition(":")
         for scan_remat in (False, True):
