@@ -425,7 +425,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cap-gib", type=float, default=16.0,
                    help="address-space cap per measurement (at most 16)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per measurement")
-    p.add_argument("--wait-s", type=float, default=300.0,
+    p.add_argument("--wait-s", type=float, default=30.0,
                    help="wait this long for cap + 2 GiB of free memory before a measurement; "
                         "then cap it at what is free less 2 GiB")
     p.add_argument("--deep", nargs="*", default=None, metavar="SCHEME:L",
