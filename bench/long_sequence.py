@@ -52,6 +52,7 @@ TABLE_SCHEMES = ("bert_abs", "bert_rel", "tupe_r")   # read an absolute table: L
 HF = "hf_deberta_v2"
 NOT_TRIED = "not tried"   # a shorter length of the same model and path did not fit
 PATHS = ("plain", "blocked")
+ORDER = {m: i for i, m in enumerate(SCHEMES + (HF,))}   # row order of an updated report
 GIB = 2 ** 30
 FULL = dict(hidden=768, heads=12, mlp=3072, layers=2, vocab=128100, block=512,
             lengths=(512, 1024, 2048, 4096, 8192, 16384))
@@ -297,8 +298,7 @@ def cell_time(result: dict[str, Any] | None) -> str:
         return "—"
     ms = step_ms(result)
     if ms is not None:
-        runs = len(result["times"])
-        return f"{ms:,.0f}" + ("" if runs > 1 else " ¹")
+        return f"{ms:,.0f}" + ("" if result.get("warmup", True) else " ¹")
     status = result["status"]
     cap = f"cap {result['cap_gib']:.1f} GiB" if result.get("cap_gib") else ""
     if status == "does not fit (XLA)":
@@ -329,16 +329,23 @@ def markdown(report: dict[str, Any]) -> str:
            f"torch {env.get('torch', '—')}, transformers {env.get('transformers', '—')}; load "
            f"before / after: {report['load_before']} / {report.get('load_after', '…')}; cap "
            f"{report['cap_gib']:g} GiB of address space per measurement; wall time "
-           f"{report.get('wall_s', 0) / 60:,.1f} min.", "",
-           f"Batch 1, hidden {s['hidden']}, {s['heads']} heads, MLP {s['mlp']}, "
-           f"{s['layers']} layers, vocabulary {s['vocab']:,}, fp32, dropout off; forward + "
-           f"backward (gradient of mean sin(h) w.r.t. every parameter); blocked path: blocks "
-           f"of {s['block']}.", "",
-           "| model | L | plain ms | blocked ms | plain peak RSS GiB | blocked peak RSS GiB | "
-           "plain XLA GiB | blocked XLA GiB |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           f"{report.get('wall_s', 0) / 60:,.1f} min.", ""]
+    for i, u in enumerate(report.get("updates", []), 1):
+        out += [f"Rows marked {'†' * i} re-measured by `{u['command']}` ({u['date']}; load "
+                f"before / after: {u['load_before']} / {u.get('load_after', '…')}; wall time "
+                f"{u.get('wall_s', 0) / 60:,.1f} min).", ""]
+    out += [f"Batch 1, hidden {s['hidden']}, {s['heads']} heads, MLP {s['mlp']}, "
+            f"{s['layers']} layers, vocabulary {s['vocab']:,}, fp32, dropout off; forward + "
+            f"backward (gradient of mean sin(h) w.r.t. every parameter); blocked path: blocks "
+            f"of {s['block']}.", "",
+            "| model | L | plain ms | blocked ms | plain peak RSS GiB | blocked peak RSS GiB | "
+            "plain XLA GiB | blocked XLA GiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
-    for r in report["rows"]:
+    ordered = sorted(report["rows"], key=lambda r: (ORDER.get(r["model"], len(ORDER)),
+                                                    r["layers"], bool(r.get("scan")),
+                                                    r["length"]))
+    for r in ordered:
         if r.get("layers", s["layers"]) == s["layers"]:
             rows.setdefault((r["model"], r["length"]), {})[r["path"]] = r
     for (model, length), paths in rows.items():
@@ -350,13 +357,15 @@ def markdown(report: dict[str, Any]) -> str:
         def xla(r):
             return cell_gib(r["xla"]["total"]) if r and "xla" in r else "—"
 
-        out.append(f"| {row_label(model, s['layers'])} | {length:,} | {cell_time(plain)} | "
+        mark = "†" * max(r.get("update", 0) for r in paths.values())
+        out.append(f"| {row_label(model, s['layers'])}{' ' + mark if mark else ''} | "
+                   f"{length:,} | {cell_time(plain)} | "
                    f"{cell_time(blocked)} | {rss(plain)} | {rss(blocked)} | {xla(plain)} | "
                    f"{xla(blocked)} |")
     out += ["", "¹ one timed step (no warm-up); other times: median of "
-            f"{report['runs']} steps after a warm-up. XLA GiB: memory_analysis() arguments + "
-            "outputs + scratch of the compiled step. Peak RSS: the measuring process's "
-            "ru_maxrss (includes compiling and, for ours, the arguments). \"does not fit "
+            f"{report['runs']} steps after a warm-up (L < {report.get('one_step_from', '—')}). "
+            "XLA GiB: memory_analysis() arguments + outputs + scratch of the compiled step. "
+            "Peak RSS: the measuring process's ru_maxrss (includes compiling and, for ours, the arguments). \"does not fit "
             "(XLA …)\": compiled, not run, as XLA's estimate exceeds the cap; \"not run (~N "
             "s)\": compiled, not run, as its time extrapolated ∝ L² exceeds --max-step-s; "
             "\"did not fit\": the process ran out of its capped address space; \"not tried (N "
@@ -370,7 +379,7 @@ def markdown(report: dict[str, Any]) -> str:
         out.append(f"| {row_label(model, s['layers'])} | " + " | ".join(
             f"{best[k]:,}" if best.get(k) else "—" for k in
             ("plain_ran", "blocked_ran", "plain_xla", "blocked_xla")) + " |")
-    deep = [r for r in report["rows"] if r.get("layers", s["layers"]) != s["layers"]]
+    deep = [r for r in ordered if r.get("layers", s["layers"]) != s["layers"]]
     if deep:
         out += ["", "Compile-only rows (XLA memory_analysis, not run):", "",
                 "| model | L | layers | layer loop | XLA total GiB | arguments GiB | "
@@ -432,12 +441,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="compile-only rows at 12 layers (default deberta_v2:8192; smoke: "
                         "deberta_v2:128)")
     p.add_argument("--out", default="", help="write OUT.json and OUT.md (after every row)")
+    p.add_argument("--update", default="", metavar="OUT",
+                   help="re-measure the rows this command names in the report OUT.json (in "
+                        "place; OUT.md rewritten, the command recorded)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not 0 < args.cap_gib <= 16:
         p.error(f"--cap-gib={args.cap_gib}: must lie in (0, 16]")
     if args.runs < 1:
         p.error(f"--runs={args.runs}: must be >= 1")
+    if args.update and not pathlib.Path(args.update + ".json").is_file():
+        p.error(f"--update={args.update}: {args.update}.json does not exist")
     if args.out and not pathlib.Path(args.out).parent.is_dir():
         p.error(f"--out={args.out}: folder {pathlib.Path(args.out).parent} does not exist")
     return args
@@ -457,9 +471,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.long_sequence " + " ".join(
         sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {"command": command, "environment": environment(), "size": size,
-                              "runs": args.runs, "cap_gib": args.cap_gib,
-                              "load_before": load_average(), "rows": []}
+                              "smoke": args.smoke, "runs": args.runs,
+                              "one_step_from": args.one_step_from,
+                              "cap_gib": args.cap_gib, "load_before": load_average(),
+                              "rows": []}
+    update: dict[str, Any] | None = None
+    if args.update:   # re-measure rows of an earlier report, in place
+        report = json.loads(pathlib.Path(args.update + ".json").read_text())
+        update = {"command": command, "date": environment()["date"],
+                  "load_before": load_average()}
+        report.setdefault("updates", []).append(update)
+        size = report["size"] if not args.lengths else {**report["size"], "lengths":
+                                                        tuple(args.lengths)}
+        args.out, args.smoke = args.update, report.get("smoke", args.smoke)
     t_start = time.perf_counter()
+
+    def add_row(row: dict[str, Any]) -> None:
+        """Append ``row`` (with --update: in place of the report's row of the same model,
+        path, length and depth) and write the report."""
+        if update is not None:
+            row["update"] = len(report["updates"])
+            report["rows"] = [r for r in report["rows"] if row_key(r) != row_key(row)]
+            update["wall_s"] = time.perf_counter() - t_start
+        else:
+            report["wall_s"] = time.perf_counter() - t_start
+        report["rows"].append(row)
+        write(report, args.out)
 
     def measure(model: str, path: str, length: int, runs: int, layers: int | None = None,
                 **extra: Any) -> dict[str, Any]:
@@ -468,13 +505,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     warmup=length < args.one_step_from, cap=cap, **extra)
         spec["cap"] = safe_cap(cap, args.wait_s)
         result = {"model": model, "path": path, "length": length, "layers": spec["layers"],
-                  **extra, **run_child(spec, args.timeout_s)}
+                  "warmup": spec["warmup"] and runs > 0, **extra,
+                  **run_child(spec, args.timeout_s)}
         if spec["cap"] < cap:
             result["cap_gib"] = spec["cap"] / GIB
-        report["rows"].append(result)
-        report["wall_s"] = time.perf_counter() - t_start
+        add_row(result)
         write(report, args.out)
-        print(f"[{report['wall_s'] / 60:5.1f} min] {model} {path} L={length} "
+        print(f"[{(time.perf_counter() - t_start) / 60:5.1f} min] {model} {path} L={length} "
               f"layers={spec['layers']}: {cell_time(result)} (ms), peak RSS "
               f"{cell_gib(result.get('peak_rss'))} GiB, XLA "
               f"{cell_gib(result['xla']['total']) if 'xla' in result else '—'} GiB",
@@ -489,12 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 predicted = predicted_step_s(last, length)
                 too_slow = predicted is not None and predicted > args.max_step_s
                 if gone or (model == HF and too_slow):
-                    report["rows"].append({"model": model, "path": path, "length": length,
-                                           "layers": size["layers"], "status": NOT_TRIED
-                                           if gone else "not run", "shorter": gone,
-                                           "predicted_s": predicted})
+                    add_row({"model": model, "path": path, "length": length,
+                             "layers": size["layers"], "status": NOT_TRIED if gone else
+                             "not run", "shorter": gone, "predicted_s": predicted})
                     continue
-                result = measure(model, path, length, 0 if too_slow else args.runs)
+                runs = 0 if too_slow else args.runs if length < args.one_step_from else 1
+                result = measure(model, path, length, runs)
                 if too_slow:
                     result["predicted_s"] = predicted
                 if step_ms(result) is not None:
@@ -506,11 +543,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for scan_remat in (False, True):
             measure(scheme, "blocked", int(length), 0, layers=12, scan=scan_remat,
                     remat=scan_remat)
-    report["load_after"] = load_average()
-    report["wall_s"] = time.perf_counter() - t_start
+    if update is not None:
+        update.update(load_after=load_average(), wall_s=time.perf_counter() - t_start)
+    else:
+        report["load_after"] = load_average()
+        report["wall_s"] = time.perf_counter() - t_start
     write(report, args.out)
     print(markdown(report))
     return 0
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    """What a row measures: model, path, length, depth, layer loop."""
+    return (row["model"], row["path"], row["length"], row["layers"], bool(row.get("scan")))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,18 @@ def test_a_step_over_the_cap_did_not_fit_and_longer_ones_are_not_tried(tmp_path)
     assert first["status"] == "did not fit" and first["error"]
     assert second["status"] == ls.NOT_TRIED and second["shorter"] == 32
     assert ls.cell_time(second) == "not tried (32 did not fit)"
+    # --update re-measures them in place under the full cap, and says so.
+    # From --one-step-from on: one timed step, no warm-up (marked ¹).
+    assert ls.main(["--smoke", "--models", "rope", "--paths", "plain", "--lengths", "32", "64",
+                    "--one-step-from", "64", "--deep", "--update", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["length"], r["status"], r["update"], len(r["times"]), r["warmup"])
+            for r in report["rows"]] == [(32, "ok", 1, 3, True), (64, "ok", 1, 1, False)]
+    assert ls.cell_time(report["rows"][1]).endswith(" ¹")
+    assert report["updates"][0]["command"].endswith(f"--update {out}")
+    markdown = out.with_suffix(".md").read_text()
+    assert "| rope, 2 layers † | 64 |" in markdown
+    assert "Rows marked † re-measured by" in markdown
 
 
 def test_the_fit_check_counts_new_buffers_against_the_cap():
