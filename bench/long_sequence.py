@@ -365,9 +365,10 @@ def markdown(report: dict[str, Any]) -> str:
     out += ["", "¹ one timed step (no warm-up); other times: median of "
             f"{report['runs']} steps after a warm-up (L < {report.get('one_step_from', '—')}). "
             "XLA GiB: memory_analysis() arguments + outputs + scratch of the compiled step. "
-            "Peak RSS: the measuring process's ru_maxrss (includes compiling and, for ours, the arguments). \"does not fit "
-            "(XLA …)\": compiled, not run, as XLA's estimate exceeds the cap; \"not run (~N "
-            "s)\": compiled, not run, as its time extrapolated ∝ L² exceeds --max-step-s; "
+            "Peak RSS: the measuring process's ru_maxrss (includes compiling and, for ours, "
+            "the arguments). \"does not fit (XLA …)\": compiled, not run, as XLA's estimate "
+            "exceeds the cap; \"not run (~N s)\": compiled, not run, as its time "
+            "extrapolated ∝ L² exceeds --max-step-s; "
             "\"did not fit\": the process ran out of its capped address space; \"not tried (N "
             "did not fit)\": skipped, as the shorter length N of the same model and path "
             "did not fit.", "",
