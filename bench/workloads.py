@@ -329,6 +329,24 @@ def _cost_flops(compiled: Any) -> float:
 
 # --------------------------------------------------------------------------- Hugging Face (torch)
 
+def hf_deberta_v2_config(cfg: TextConfig, **extra: Any):
+    """The ``transformers.DebertaV2Config`` of a deberta_v2 ``cfg`` (same sizes, buckets,
+    shared key, table LayerNorm, dropout); ``extra``: further DebertaV2Config fields."""
+    import transformers
+    return transformers.DebertaV2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_relative_positions,
+        relative_attention=True, position_buckets=cfg.position_buckets,
+        max_relative_positions=cfg.max_relative_positions, share_att_key=cfg.share_att_key,
+        norm_rel_ebd="layer_norm" if cfg.norm_rel_ebd else "none",
+        pos_att_type=list(cfg.pos_att_type), position_biased_input=cfg.position_biased_input,
+        type_vocab_size=cfg.type_vocab_size, layer_norm_eps=cfg.layer_norm_eps,
+        hidden_dropout_prob=cfg.dropout_rate,
+        attention_probs_dropout_prob=cfg.attention_dropout_rate,
+        pooler_dropout=cfg.dropout_rate, pooler_hidden_act=cfg.pooler_act, **extra)
+
+
 def hf_model(w: Workload):
     """The transformers model matching ``w`` (random init), in train mode."""
     import transformers
@@ -344,19 +362,7 @@ def hf_model(w: Workload):
         model = (transformers.BertForMaskedLM if w.is_mlm
                  else transformers.BertForSequenceClassification)(hc)
     elif w.hf == "deberta_v2":
-        hc = transformers.DebertaV2Config(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-            intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_relative_positions,
-            relative_attention=True, position_buckets=cfg.position_buckets,
-            max_relative_positions=cfg.max_relative_positions, share_att_key=cfg.share_att_key,
-            norm_rel_ebd="layer_norm" if cfg.norm_rel_ebd else "none",
-            pos_att_type=list(cfg.pos_att_type), position_biased_input=cfg.position_biased_input,
-            type_vocab_size=cfg.type_vocab_size, layer_norm_eps=cfg.layer_norm_eps,
-            hidden_dropout_prob=cfg.dropout_rate,
-            attention_probs_dropout_prob=cfg.attention_dropout_rate,
-            pooler_dropout=cfg.dropout_rate,
-            pooler_hidden_act=cfg.pooler_act, num_labels=w.num_labels)
+        hc = hf_deberta_v2_config(cfg, num_labels=w.num_labels)
         model = (transformers.DebertaV2ForMaskedLM if w.is_mlm
                  else transformers.DebertaV2ForSequenceClassification)(hc)
     elif w.hf == "vit":

@@ -299,7 +299,32 @@ def test_todays_baselines_train_and_evaluate_at_twice_the_length(shared_data, tm
     assert any(not name.endswith("_seq-64.json") for name in files), files
 
 
-def test_absolute_tables_refuse_evaluation_beyond_their_rows(shared_data, tmp_path):
+def _spy_for_evaluation(monkeypatch):
+    """Record every (params in, model out, params out) of the text tasks' for_evaluation."""
+    from posjax.training import text_tasks
+    calls = []
+    original = text_tasks._TextTask.for_evaluation
+
+    def spy(self, model, params):
+        out_model, out_params = original(self, model, params)
+        calls.append((jax.device_get(params), out_model, jax.device_get(out_params)))
+        return out_model, out_params
+
+    monkeypatch.setattr(text_tasks._TextTask, "for_evaluation", spy)
+    return calls
+
+
+def _interpolated(table, rows):
+    """Corner-aligned linear interpolation of ``table``'s rows to ``rows`` rows (numpy)."""
+    x = np.arange(rows) * (len(table) - 1) / (rows - 1)
+    return np.stack([np.interp(x, np.arange(len(table)), c) for c in table.T], axis=1)
+
+
+def test_absolute_tables_refuse_evaluation_beyond_their_rows_unless_extended(
+        shared_data, tmp_path, monkeypatch):
+    """eval.py at 2L refuses an absolute table by default, naming model.extend_positions; with
+    extend_positions='interpolate' the checkpoint's table is resampled to 2L rows (first and
+    last rows kept, the rest linear between neighbours) and the model evaluates at 2L."""
     config = tiny_mlm(shared_data, "bert_a")
     trainer.train(config, tmp_path / "run")
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
@@ -307,6 +332,75 @@ def test_absolute_tables_refuse_evaluation_beyond_their_rows(shared_data, tmp_pa
     longer.data.max_seq_length = 64
     with pytest.raises(ValueError, match=r"data.max_seq_length=64 exceeds model.max_position_"
                        r"embeddings=32: position_scheme='bert_abs' reads an absolute position "
-                       r"table, which has no rows beyond 32"):
+                       r"table, which has no rows beyond 32; .* set "
+                       r"model.extend_positions='interpolate'"):
         evaluator.evaluate(longer, tmp_path / "run")
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+    calls = _spy_for_evaluation(monkeypatch)
+    longer.model.extend_positions = "interpolate"
+    result = evaluator.evaluate(longer, tmp_path / "run")
+    assert np.isfinite(result["loss"]) and result["num_sequences"] > 0
+    assert any(p.name.endswith("_seq-64.json") for p in (tmp_path / "run").rglob("eval_*"))
+    (params, model, extended), = calls
+    key = ("encoder", "embeddings", "position_embeddings", "embedding")
+    table = np.asarray(params[key[0]][key[1]][key[2]][key[3]])
+    stretched = np.asarray(extended[key[0]][key[1]][key[2]][key[3]])
+    assert table.shape == (32, 32) and stretched.shape == (64, 32)
+    assert model.cfg.max_position_embeddings == 64
+    np.testing.assert_array_equal(stretched[0], table[0])
+    np.testing.assert_allclose(stretched[-1], table[-1], rtol=1e-6)
+    np.testing.assert_allclose(stretched, _interpolated(table, 64), rtol=1e-5, atol=1e-7)
+    # Every other parameter is the checkpoint's.
+    flat, flat_ext = (jax.tree_util.tree_leaves_with_path(t) for t in (params, extended))
+    for (path, a), (_, b) in zip(flat, flat_ext):
+        if "position_embeddings" not in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_tupe_untied_table_is_extended_with_its_cls_row_kept(mlm_run, shared_data,
+                                                             monkeypatch):
+    """TUPE-R's untied table (1 + L rows: [CLS] row 0, positions 1…L) at 2L: row 0 unchanged,
+    rows 1…2L interpolated from rows 1…L."""
+    config, workdir, _ = mlm_run
+    calls = _spy_for_evaluation(monkeypatch)
+    longer = tiny_mlm(shared_data, "tupe_r")
+    longer.data.max_seq_length = 64
+    longer.model.extend_positions = "interpolate"
+    result = evaluator.evaluate(longer, workdir)
+    assert np.isfinite(result["loss"])
+    (params, model, extended), = calls
+    table = np.asarray(params["encoder"]["encoder"]["tupe_bias"]["position_embeddings"])
+    stretched = np.asarray(extended["encoder"]["encoder"]["tupe_bias"]["position_embeddings"])
+    assert table.shape == (33, 32) and stretched.shape == (65, 32)
+    assert model.cfg.max_position_embeddings == 64
+    np.testing.assert_array_equal(stretched[0], table[0])
+    np.testing.assert_allclose(stretched[1:], _interpolated(table[1:], 64), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_extend_positions_is_refused_where_it_would_change_nothing(shared_data, tmp_path):
+    """Training (at any length), a scheme without a table, a length within the table and an
+    unknown method are each one error naming model.extend_positions."""
+    config = tiny_mlm(shared_data, "bert_a")
+    config.model.extend_positions = "interpolate"
+    config.data.max_seq_length = 64
+    with pytest.raises(ValueError, match=r"model.extend_positions='interpolate' applies only "
+                                         r"when eval.py evaluates a run's checkpoints .*train.py"):
+        trainer.train(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    config = tiny_mlm(shared_data, "bert_a")
+    config.model.extend_positions = "interpolate"
+    with pytest.raises(ValueError, match=r"model.extend_positions='interpolate' has no effect: "
+                                         r"data.max_seq_length=32 fits the table's 32 rows"):
+        make_task(config).validate()
+    config = tiny_mlm(shared_data, "rope")
+    config.model.extend_positions = "interpolate"
+    with pytest.raises(ValueError, match=r"has no effect: position_scheme='rope' reads no "
+                                         r"absolute position table"):
+        make_task(config).validate()
+    config = tiny_mlm(shared_data, "bert_a")
+    config.model.extend_positions = "nearest"
+    with pytest.raises(ValueError, match=r"model.extend_positions='nearest' is not valid: "
+                                         r"choose '' .* or 'interpolate'"):
+        make_task(config).validate()

@@ -643,6 +643,19 @@ def test_a_hybrid_position_table_is_resampled_from_its_real_grid():
                                                           num_prefix_tokens=0))
 
 
+def test_a_text_position_table_is_interpolated_to_more_rows():
+    """interpolate_position_rows: prefix rows kept; position rows corner-aligned linear (the
+    old first and last rows at the ends, row j at old position j·(R − 1)/(rows − 1))."""
+    from posjax.layers.positions import interpolate_position_rows
+    table = np.array([[9.0, -9.0], [0.0, 10.0], [1.0, 20.0], [2.0, 40.0]], np.float32)
+    out = np.asarray(interpolate_position_rows(table, 5, num_prefix_rows=1))
+    np.testing.assert_allclose(out, [[9, -9], [0, 10], [0.5, 15], [1, 20], [1.5, 30],
+                                     [2, 40]], rtol=1e-6)
+    out = np.asarray(interpolate_position_rows(table[1:], 7))
+    np.testing.assert_allclose(out[:, 0], [0, 1 / 3, 2 / 3, 1, 4 / 3, 5 / 3, 2], rtol=1e-6)
+    assert out.dtype == np.float32
+
+
 def test_split_tags_keep_splits_apart():
     tags = [results_lib.split_tag(s) for s in ("test", "train[:80%]", "train[80%:]", "dev/x", "a b")]
     assert tags == ["test", "train_-80%", "train_80%-", "dev_x", "a_b"]

@@ -143,6 +143,18 @@ def resample_position_table(table: jax.Array | np.ndarray, old_grid: tuple[int, 
     return out[0] if squeeze else out
 
 
+def interpolate_position_rows(table: jax.Array | np.ndarray, rows: int,
+                              num_prefix_rows: int = 0) -> jax.Array:
+    """A learned 1D position table (P + R, H) stretched to (P + ``rows``, H): the first
+    ``num_prefix_rows`` P rows (TUPE's [CLS] row) kept, the R position rows resampled by
+    corner-aligned linear interpolation (``resample_position_table``'s bilinear, on one axis):
+    new row j is old position j·(R − 1)/(rows − 1), so the first and last rows are the old
+    first and last, and every row between is a mix of two neighbours."""
+    table = jnp.asarray(table)
+    prefix, body = table[:num_prefix_rows], table[num_prefix_rows:]
+    return jnp.concatenate([prefix, _zoom_linear(body, 0, rows).astype(table.dtype)], axis=0)
+
+
 def _zoom_linear(x: jax.Array, axis: int, new: int) -> jax.Array:
     """Corner-aligned linear resize along ``axis`` (scipy.ndimage.zoom order=1 sampling)."""
     old = x.shape[axis]

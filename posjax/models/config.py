@@ -18,6 +18,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # one-hot einsum, the relative shift where it is the cheaper product (2L − 1 <= 2k), or the
 # relative shift at every length (no L × L gather; for hardware where gathers are slow).
 GATHERS = ("take", "onehot", "shift", "skew")
+# How eval.py extends a checkpoint's absolute position table to a longer data.max_seq_length
+# (TextConfig.extend_positions): '' refuses; 'interpolate' resamples its rows linearly.
+EXTEND_POSITIONS = ("", "interpolate")
 
 
 def check(ok: bool, message: str) -> None:
@@ -172,6 +175,11 @@ class TextConfig:
     # so attention memory grows as L·block, not L². Same function (dropout masks aside).
     attention_block_size: int = 512
     blocked_attention_from: int = 2048
+    # Evaluation beyond the absolute table (eval.py with data.max_seq_length N > the table's
+    # rows; one of EXTEND_POSITIONS): '' refuses; 'interpolate' resamples the checkpoint's
+    # table to N rows (corner-aligned linear, ``positions.interpolate_position_rows``; TUPE's
+    # [CLS] row kept) before the model is built at N. Read only there (training refuses it).
+    extend_positions: str = ""
     # Heads.
     use_emd: bool = False                # DeBERTa enhanced mask decoder for MLM (needs
                                          # position_biased_input=False, as officially)
@@ -211,6 +219,9 @@ class TextConfig:
                    "the official code runs the enhanced mask decoder only when absolute "
                    "positions are not added to the input: set position_biased_input=False, or "
                    "use_emd=False to decode the last layer")
+        _check(self.extend_positions in EXTEND_POSITIONS, "extend_positions",
+               self.extend_positions, "choose '' (refuse lengths beyond the position table) or "
+               "'interpolate' (resample its rows to the length; eval.py only)")
         _check(self.attention_block_size > 0, "attention_block_size", self.attention_block_size,
                "must be > 0 (set blocked_attention_from=0 to never block attention)")
         _check(self.blocked_attention_from >= 0, "blocked_attention_from",

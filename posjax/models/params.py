@@ -5,10 +5,10 @@ names.
 A parameter is named by its path in the params tree: a tuple (``flatten``) or JAX's key string
 (``param_key``: ``"['encoder']['tupe_bias']['position_embeddings']"``). Here: which parameters
 are heads a fine-tuning run may re-initialise (``HEAD_ROOTS``), ViT's [CLS] token (``CLS``) and
-the [CLS] and prefix rows of position tables (``cls_row``, ``patch_table_prefix``), a scanned
-layer stack (``SCANNED_LAYERS``, ``first_layers``), the config fields that set each
-parameter's shape (``shape_fields``) and those that change what the same parameters compute
-(``SAME_FUNCTION_FIELDS``; ``unread_scheme_settings``).
+the [CLS] and prefix rows of position tables (``cls_row``, ``patch_table_prefix``,
+``text_table_prefix``), a scanned layer stack (``SCANNED_LAYERS``, ``first_layers``), the
+config fields that set each parameter's shape (``shape_fields``) and those that change what
+the same parameters compute (``SAME_FUNCTION_FIELDS``; ``unread_scheme_settings``).
 """
 from __future__ import annotations
 
@@ -120,6 +120,17 @@ def patch_table_prefix(key: str, num_prefix_tokens: int) -> int | None:
         return num_prefix_tokens
     if key.endswith("['tupe_bias']['position_embeddings']"):
         return 1 + num_prefix_tokens
+    return None
+
+
+def text_table_prefix(key: str) -> int | None:
+    """Rows before the position rows of a text model's absolute position table ``key``: 0 for
+    the input table (``['embeddings']['position_embeddings']['embedding']``, (rows, E)), 1 for
+    TUPE's untied table (its [CLS] row 0, then rows 1 … rows); None for any other parameter."""
+    if key.endswith("['embeddings']['position_embeddings']['embedding']"):
+        return 0
+    if key.endswith("['tupe_bias']['position_embeddings']"):
+        return 1
     return None
 
 

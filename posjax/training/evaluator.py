@@ -126,7 +126,9 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     state, step = _restore_for_eval(run, step, latest)
     params = state.params
     del state   # the optimizer state's buffers are freed: the devices hold only the params
-    return _evaluate_and_write(run, params, step, pipe)
+    # A position table extended to a longer data.max_seq_length (model.extend_positions).
+    model, params = run.task.for_evaluation(run.model, params)
+    return _evaluate_and_write(run, model, params, step, pipe)
 
 
 def _requested_step(config: ml_collections.ConfigDict, step: Any) -> Any:
@@ -178,13 +180,14 @@ def _evaluate_init_from(run: run_setup.Run) -> dict[str, float]:
         (run.workdir / "checkpoints").mkdir(parents=True, exist_ok=True)
     params = state.params
     del state   # as in evaluate
-    return _evaluate_and_write(run, params, 0, pipe)
+    return _evaluate_and_write(run, run.model, params, 0, pipe)
 
 
-def _evaluate_and_write(run: run_setup.Run, params: Any, step: int, pipe: Any) -> dict[str, float]:
-    """One pass of ``pipe`` through the eval step with ``params``, written as ``step``'s
-    metrics JSON (and predictions, where the task has them)."""
-    eval_step = steps_lib.make_eval_step(run.task, run.model)
+def _evaluate_and_write(run: run_setup.Run, model: Any, params: Any, step: int,
+                        pipe: Any) -> dict[str, float]:
+    """One pass of ``pipe`` through the eval step of ``model`` with ``params``, written as
+    ``step``'s metrics JSON (and predictions, where the task has them)."""
+    eval_step = steps_lib.make_eval_step(run.task, model)
     with run.context():
         result = run_evaluation(run, params, eval_step, pipe.iterator,
                                 getattr(pipe, "num_batches", None),

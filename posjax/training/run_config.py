@@ -40,11 +40,13 @@ RESUME_KEYS = OPERATIONAL_KEYS + ("num_steps",)
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data, and at which text length (length extrapolation:
 # relative schemes at any length; an absolute table has no rows beyond its own, which
-# text_tasks.check_text_model refuses). Every other key defines the model or its saved state.
+# text_tasks.check_text_model refuses unless model.extend_positions says how to extend it).
+# Every other key defines the model or its saved state.
 EVAL_KEYS = OPERATIONAL_KEYS + ("num_steps", "batch_size", "microbatches", "data.path",
                                 "data.data_dir", "data.glue_dir", "data.text_files",
                                 "data.tokenizer", "data.train_split", "data.test_split",
-                                "data.worker_count", "data.max_seq_length")
+                                "data.worker_count", "data.max_seq_length",
+                                "model.extend_positions")
 
 
 # The EVAL_KEYS that say which data is read. An evaluation on other data than the run's

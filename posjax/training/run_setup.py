@@ -100,6 +100,12 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if not training:   # (train.py checks once it holds the workdir)
         processes.check_shared_workdir(workdir, config_defaults.CONFIG_FILE)
     pretrained = workdir_lib.evaluates_init_from(config, workdir, training)
+    extend = config.model.get("extend_positions", "")
+    if extend and (training or pretrained):
+        what = "train.py trains" if training else "init_from's weights are evaluated"
+        raise ValueError(f"model.extend_positions={extend!r} applies only when eval.py "
+                         "evaluates a run's checkpoints at a longer data.max_seq_length ("
+                         f"{what} with the position table as it is): remove it")
     tag = ""
     if training:
         workdir_lib.check_workdir(workdir, config, identity)

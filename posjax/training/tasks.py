@@ -34,6 +34,10 @@ with ``@register_task``, and implement:
     path (a text task's vocabulary: which token each id is, ``posjax.data.identity``). A run
     records it at its start; resuming or evaluating the run with other content under the same
     path is refused. Default: {}.
+``for_evaluation(model, params) -> (model, params)`` (optional)
+    The model and params that evaluate a checkpoint eval.py restored into ``build_model``'s
+    layout. Default: the same. Text tasks evaluated beyond their absolute position table with
+    ``model.extend_positions`` extend the table (``text_tasks._TextTask.for_evaluation``).
 ``patch_grid`` (optional property)
     The model's patch grid (rows, cols) when it runs on images, else None (the default).
     ``init_from`` resamples pretrained position tables of another grid to it.
@@ -113,6 +117,9 @@ class Task(abc.ABC):
 
     def data_identity(self) -> dict[str, Any]:
         return {}
+
+    def for_evaluation(self, model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
+        return model, params
 
     @property
     def patch_grid(self) -> tuple[int, int] | None:

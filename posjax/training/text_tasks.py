@@ -34,9 +34,8 @@ from posjax.data import glue as glue_data
 from posjax.data import text as text_data
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
-from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, absolute_rows
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
-from posjax.training import flops
+from posjax.training import flops, position_tables
 from posjax.models import params as params_lib
 from posjax.training.tasks import Metrics, Task, model_config_from, register_task
 
@@ -57,14 +56,7 @@ def check_text_model(cfg: TextConfig, tokenizer: TextTokenizer, length: int,
         raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                          f"{tokenizer.vocab_size} ids ({tokenizer.path}): set model.vocab_size "
                          f">= {tokenizer.vocab_size}")
-    if absolute_rows(cfg) and length > absolute_rows(cfg):
-        relative = ", ".join(n for n in TEXT_SCHEMES if SCHEMES[n].relative)
-        raise ValueError(f"{length_field}={length} exceeds model.max_position_embeddings="
-                         f"{cfg.max_position_embeddings}: position_scheme="
-                         f"{cfg.position_scheme!r} reads an absolute position table, which has "
-                         f"no rows beyond {cfg.max_position_embeddings}; shorten the sequences "
-                         "or enlarge the position table (relative schemes without a table, "
-                         f"{relative}, run at any length)")
+    position_tables.check_length(cfg, length, length_field)
 
 
 def text_inputs(batch: Mapping[str, Array]) -> dict[str, Array]:
@@ -103,6 +95,17 @@ class _TextTask(Task):
         (another vocabulary under the same path) would silently remap every id."""
         return {"data.tokenizer": self.tokenizer.vocabulary_identity()}
 
+    def init_params(self, model: nn.Module, rng: Array, batch: Mapping[str, Array]) -> Any:
+        """Task's, on tokens cut to the absolute table (``position_tables.cut_to_table``)."""
+        batch = position_tables.cut_to_table(self.model_config, batch)
+        return super().init_params(model, rng, batch)
+
+    def for_evaluation(self, model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
+        """Task's: the absolute table extended to the length (``position_tables.extend``)."""
+        cfg, params = position_tables.extend(self.model_config, params,
+                                             int(self.config.data.max_seq_length))
+        return (model if cfg == self.model_config else self.build_model(cfg)), params
+
     def check_model(self) -> TextConfig:
         """Tokenizer ids and data.max_seq_length must fit the model's tables; no setting the
         position scheme does not read (``unread_scheme_settings``) and no label_smoothing (an
@@ -140,8 +143,8 @@ class MaskedLanguageModel(_TextTask):
         text_data.validate_mlm_data_config(self.config.data)
         self.check_model()
 
-    def build_model(self) -> nn.Module:
-        return TextForMaskedLM(self.model_config)
+    def build_model(self, cfg: TextConfig | None = None) -> nn.Module:
+        return TextForMaskedLM(cfg or self.model_config)
 
     def dummy_batch(self, batch_size: int) -> dict[str, np.ndarray]:
         length = int(self.config.data.max_seq_length)
@@ -228,8 +231,8 @@ class Glue(_TextTask):
         if cfg.use_emd:
             raise ValueError("model.use_emd=True is an MLM decoder: set it to False for GLUE")
 
-    def build_model(self) -> nn.Module:
-        return TextForSequenceClassification(self.model_config,
+    def build_model(self, cfg: TextConfig | None = None) -> nn.Module:
+        return TextForSequenceClassification(cfg or self.model_config,
                                              num_labels=self.glue_task.num_labels)
 
     def dummy_batch(self, batch_size: int) -> dict[str, np.ndarray]:
