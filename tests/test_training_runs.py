@@ -142,7 +142,7 @@ def test_eval_reproduces_the_training_eval(runs):
     assert json.loads(results_lib.eval_file(straight, 6, "test", tag).read_text())["data"] == \
         {"data.data_dir": "/elsewhere"}
     assert results_lib.eval_file(straight, 6, "test").read_text() == written_by_training
-    with pytest.raises(ValueError, match="no such checkpoint"):
+    with pytest.raises(ValueError, match="holds no such step"):
         evaluator.evaluate(config, straight, step=5)
 
 

@@ -280,12 +280,6 @@ def pretrained_config(cfg_file: pathlib.Path) -> dict[str, Any]:
     return saved
 
 
-def saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """The model section of a saved config: ``model`` in a train.py workdir's config.json,
-    ``config`` in the converter's model_config.json."""
-    return saved.get("model", saved.get("config", saved))
-
-
 def load_init_from(state: TrainState, path: str, shardings: TrainState,
                    grid: tuple[int, int] | None = None) -> TrainState:
     """``state`` with the params of ``path`` merged in (``merge_pretrained``; ``grid``: this
