@@ -27,7 +27,6 @@ from absl import app, flags, logging
 
 from posjax import cli
 from posjax.training import evaluator
-from posjax.training import run_config
 
 SAVED_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "saved.py"
 

@@ -28,7 +28,6 @@ from posjax.convert.__main__ import main as convert_main
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.training import evaluator
-from posjax.training import run_config
 from posjax.training import trainer
 
 import test_training_synthetic as syn

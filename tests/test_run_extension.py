@@ -11,7 +11,6 @@ import pytest
 
 from posjax import config_defaults
 from posjax.training import optim
-from posjax.training import run_config
 from posjax.training import schedule_extension as ext
 from posjax.training import trainer
 

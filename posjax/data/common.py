@@ -8,7 +8,6 @@ import gc
 import multiprocessing.resource_tracker
 import os
 import pathlib
-import re
 import signal
 import threading
 import time

@@ -14,7 +14,6 @@ import logging
 import pathlib
 import re
 import shutil
-import signal
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 

@@ -13,7 +13,6 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, Sharding
 

@@ -35,7 +35,6 @@ from posjax.training import processes
 from posjax.training import profiler
 from posjax.training import results
 from posjax.training import resume
-from posjax.training import run_config
 from posjax.training import run_setup
 from posjax.training import schedule_extension
 from posjax.training import init_from as init_from_lib
