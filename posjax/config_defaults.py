@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections.config_dict import FieldReference
 
-from posjax.io_utils import local_path
+from posjax.io_utils import local_path, read_json_object
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.schemes import ALIASES, SCHEMES, TEXT_SCHEMES, Scheme
 
@@ -223,18 +223,8 @@ def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
     """The run's ``config.json`` as a dict; None when the workdir has none."""
-    path = local_path(workdir, "--workdir") / CONFIG_FILE
-    if not path.exists():
-        return None
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:   # OSError: a directory
-        saved = e
-    if not isinstance(saved, dict):
-        why = saved if isinstance(saved, Exception) else "not a JSON object"
-        raise ValueError(f"{path} is damaged ({why}): it should hold the run's config as JSON; "
-                         "restore it from a copy, or use a new --workdir")
-    return saved
+    return read_json_object(local_path(workdir, "--workdir") / CONFIG_FILE, "the run's config",
+                            "restore it from a copy, or use a new --workdir")
 
 
 def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import pathlib
 import re
@@ -12,7 +13,7 @@ import signal
 import socket
 import tempfile
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 
 SHIELDED_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -69,6 +70,22 @@ def local_path(value: str | os.PathLike, what: str) -> pathlib.Path:
                          "a local path, or on several hosts a shared file system every host "
                          "mounts (NFS, Filestore)")
     return pathlib.Path(text).expanduser().resolve()
+
+
+def read_json_object(path: pathlib.Path, holds: str, fix: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is no such file. One ValueError, '``path``
+    is damaged (why): it should hold ``holds`` as JSON; ``fix``', when it cannot be read or is
+    not a JSON object."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:   # a directory; UnicodeDecodeError, JSONDecodeError
+        saved = e
+    if not isinstance(saved, dict):
+        why = saved if isinstance(saved, Exception) else "not a JSON object"
+        raise ValueError(f"{path} is damaged ({why}): it should hold {holds} as JSON; {fix}")
+    return saved
 
 
 def check_creatable(path: pathlib.Path, what: str) -> None:

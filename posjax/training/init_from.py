@@ -10,7 +10,6 @@ checks made before anything is compiled are in ``init_from_checks``.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import pathlib
@@ -22,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from posjax import checkpoint_io
-from posjax.io_utils import local_path
+from posjax.io_utils import local_path, read_json_object
 from posjax.layers.positions import resample_position_table
 from posjax.models import params as params_lib
 from posjax.models.config import stem_stride
@@ -267,17 +266,11 @@ def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
 def pretrained_config(cfg_file: pathlib.Path) -> dict[str, Any]:
     """The model config saved beside ``init_from``'s params ({} when there is none); one
     ValueError naming the file when it is not a JSON object."""
-    if not cfg_file.exists():
-        return {}
     try:
-        saved = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:   # UnicodeDecodeError and JSONDecodeError included
-        saved = e
-    if not isinstance(saved, dict):
-        why = saved if isinstance(saved, Exception) else "not a JSON object"
-        raise ValueError(f"init_from: {cfg_file} is damaged ({why}): it should hold the saved "
-                         "model's config as JSON; copy or convert the checkpoint again")
-    return saved
+        return read_json_object(cfg_file, "the saved model's config",
+                                "copy or convert the checkpoint again") or {}
+    except ValueError as e:
+        raise ValueError(f"init_from: {e}") from None
 
 
 def load_init_from(state: TrainState, path: str, shardings: TrainState,
