@@ -70,6 +70,35 @@ def test_claim_rules_decide_from_numbers():
                          conv)["verdict"] == "reproduced"
 
 
+def test_convergence_pairs_each_seed_with_its_baseline(tmp_path):
+    """Per seed: steps to the baseline's final loss of that seed over the baseline's own steps
+    (its last evaluation, or earlier where its curve dipped below); None when a seed never
+    reaches it."""
+    (tmp_path / "results").mkdir()
+    curves = {"base-s1": [4.0, 3.0, 2.0, 1.0], "base-s2": [4.0, 1.5, 2.5, 2.0],
+              "fast-s1": [2.0, 1.0, 0.5, 0.4], "fast-s2": [3.0, 2.0, 1.0, 0.9],
+              "slow-s1": [4.0, 3.5, 3.0, 2.5], "slow-s2": [4.0, 1.0, 1.0, 1.0]}
+    for cell, losses in curves.items():
+        rows = "".join(f"{step},{v}\n" for step, v in zip((10, 20, 30, 40), losses))
+        (tmp_path / "results" / f"{cell}_curve.csv").write_text("step,eval_loss\n" + rows)
+    groups = {name: [{"cell": f"{name}-s{seed}", "name": name, "seed": seed, "status": "ok",
+                      "final": {"loss": curves[f"{name}-s{seed}"][-1]}} for seed in (1, 2)]
+              for name in ("base", "fast", "slow")}
+    conv = report.convergence(tmp_path, groups, "base")
+    assert conv["base"]["ratios"] == {1: 1.0, 2: 1.0}
+    # base-s2 dips below its final 2.0 early: it reaches it at step 18 (between 10 and 20).
+    base2 = 10 + 10 * (4.0 - 2.0) / (4.0 - 1.5)
+    assert conv["fast"]["steps"] == pytest.approx({1: 20.0, 2: 20.0})
+    assert conv["fast"]["ratios"] == pytest.approx({1: 20.0 / 40.0, 2: 20.0 / base2})
+    assert conv["fast"]["ratio"] == pytest.approx((0.5 + 20.0 / base2) / 2)
+    assert conv["slow"]["steps"][1] is None and conv["slow"]["reached"] == "1/2"
+    assert conv["slow"]["ratio"] is None
+    claim = {"claim": "fast", "a": "slow", "b": "base", "rule": "convergence"}
+    assert report.decide(claim, groups, conv)["verdict"] == "not reproduced"
+    assert report.decide({**claim, "a": "fast", "at_most": 0.9}, groups, conv)["verdict"] == \
+        "reproduced"
+
+
 def test_synthetic_tasks_are_deterministic_and_positional():
     data = synthetic.default_data_config("shift", 12)
     a = synthetic.make_batch(data, 3, 0, 5, 4)

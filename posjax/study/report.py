@@ -25,9 +25,9 @@ CLAIM_RULES = {
     "same": ("the claim is that a and b do not differ: the 95% paired t-interval covers 0: "
              "reproduced (no difference detectable at this n); excludes 0: not reproduced; "
              "n < 2: inconclusive"),
-    "convergence": ("the mean over seeds of (steps a needs to reach b's final mean held-out "
-                    "loss) / (b's steps) is <= `at_most`: reproduced; >= 1 or never reached: "
-                    "not reproduced; in between: inconclusive"),
+    "convergence": ("the mean over seeds of (steps a needs to reach b's final held-out loss "
+                    "of the same seed) / (steps b needs) is <= `at_most`: reproduced; >= 1 or "
+                    "never reached in some seed: not reproduced; in between: inconclusive"),
 }
 
 
@@ -90,35 +90,40 @@ def fmt(s: dict[str, float], digits: int = 4) -> str:
 
 def convergence(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], base: str
                 ) -> dict[str, Any]:
-    """Steps each entry needs to reach the baseline's final mean held-out loss (mean over
-    seeds; per-seed curves) and its ratio to the baseline's own steps."""
-    finals = [metric(r, "final.loss") for r in ok(groups.get(base, []))]
-    finals = [f for f in finals if f is not None]
-    if not finals:
+    """Per seed s: the steps each entry needs to reach the baseline's final held-out loss of
+    seed s, over the steps the baseline itself needs to reach it (its last evaluation, unless
+    its curve dipped below earlier); steps interpolated between evaluations. Per entry: those
+    steps and ratios per seed, and the mean ratio over the seeds the two share (None unless the
+    entry reached the target in every one of them)."""
+    def curve(record: dict[str, Any]) -> dict[str, list[float]] | None:
+        path = root / "results" / f"{record['cell']}_curve.csv"
+        c = read_curve(path) if path.is_file() else {}
+        return c if len(c.get("eval_loss", ())) else None
+
+    targets = {}   # seed -> (the baseline's final loss, the steps it needs to reach it)
+    for r in ok(groups.get(base, [])):
+        final, c = metric(r, "final.loss"), curve(r)
+        if final is not None and c is not None:
+            targets[r["seed"]] = (final, stats.steps_to_reach(c["step"], c["eval_loss"], final))
+    if not targets:
         return {}
-    target = float(np.mean(finals))
-    out: dict[str, Any] = {"target_loss": target}
-
-    def steps(records: list[dict[str, Any]]) -> list[float | None]:
-        res = []
-        for r in ok(records):
-            path = root / "results" / f"{r['cell']}_curve.csv"
-            if not path.is_file():
-                continue
-            c = read_curve(path)
-            if "eval_loss" in c:
-                res.append(stats.steps_to_reach(c["step"], c["eval_loss"], target))
-        return res
-
-    base_steps = [s for s in steps(groups[base]) if s is not None]
-    base_mean = float(np.mean(base_steps)) if base_steps else float("nan")
+    out: dict[str, Any] = {}
     for name, records in groups.items():
-        s = steps(records)
-        reached = [x for x in s if x is not None]
-        out[name] = {"steps": s, "mean_steps": float(np.mean(reached)) if reached else None,
-                     "reached": f"{len(reached)}/{len(s)}",
-                     "ratio": (float(np.mean(reached)) / base_mean
-                               if reached and len(reached) == len(s) and base_mean > 0 else None)}
+        steps, ratios = {}, {}
+        for r in ok(records):
+            c = curve(r)
+            if r["seed"] not in targets or c is None:
+                continue
+            target, base_steps = targets[r["seed"]]
+            steps[r["seed"]] = stats.steps_to_reach(c["step"], c["eval_loss"], target)
+            if steps[r["seed"]] is not None and base_steps:
+                ratios[r["seed"]] = steps[r["seed"]] / base_steps
+        reached = [x for x in steps.values() if x is not None]
+        out[name] = {"steps": steps, "ratios": ratios,
+                     "mean_steps": float(np.mean(reached)) if reached else None,
+                     "reached": f"{len(reached)}/{len(steps)}",
+                     "ratio": (float(np.mean(list(ratios.values())))
+                               if steps and len(ratios) == len(steps) else None)}
     return out
 
 
@@ -453,16 +458,16 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
     if rep.get("convergence"):
         conv = rep["convergence"]
         lines += ["", "## Convergence (TUPE's claim: TUPE reaches BERT-A's final loss at 30% of "
-                  "its steps)", "", f"Target: {base}'s final mean held-out loss "
-                  f"{conv['target_loss']:.4f}; steps interpolated between evaluations.", "",
-                  "| entry | steps to target (mean) | seeds reaching | ratio to baseline |",
-                  "|---|---|---|---|"]
+                  "its steps)", "", f"Target, per seed: {base}'s final held-out loss of "
+                  f"that seed; ratio: the steps an entry needs to reach it over the steps {base} "
+                  "needs (mean over seeds); steps interpolated between evaluations.", "",
+                  "| entry | steps to target (mean) | seeds reaching | ratio per seed | "
+                  "ratio to baseline |", "|---|---|---|---|---|"]
         for name, v in conv.items():
-            if name == "target_loss":
-                continue
             ms = "—" if v["mean_steps"] is None else f"{v['mean_steps']:.0f}"
+            per_seed = ", ".join(f"s{seed}: {x:.2f}" for seed, x in sorted(v["ratios"].items()))
             ratio = "—" if v["ratio"] is None else f"{v['ratio']:.2f}"
-            lines.append(f"| {name} | {ms} | {v['reached']} | {ratio} |")
+            lines.append(f"| {name} | {ms} | {v['reached']} | {per_seed or '—'} | {ratio} |")
     if rep.get("glue"):
         tasks = sorted({t for v in rep["glue"].values() for t in v})
         if tasks:
