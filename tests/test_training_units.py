@@ -837,6 +837,31 @@ def test_the_workdir_is_checked_again_once_locked(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "w" / config_defaults.CONFIG_FILE).read_text()) == config_defaults.config_dict(other)
 
 
+def test_after_a_failed_save_asyncio_echoes_of_its_writes_are_dropped(tmp_path):
+    """A write task of the failed save collected late is logged by asyncio as 'Task exception
+    was never retrieved' with a traceback (its message names no file, its exception is the
+    storage error): dropped, as are records naming the checkpoints; anything else is kept."""
+    import logging
+    import sys
+
+    echoes = ckpt_lib._EchoesOfFailedSave(tmp_path)
+
+    def record(message, error=None):
+        exc_info = None
+        if error is not None:
+            try:
+                raise error
+            except type(error):
+                exc_info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, (), exc_info)
+
+    late = "Task exception was never retrieved\nfuture: <Task finished coro=<Store.write() done>>"
+    assert not echoes.filter(record(late, OSError(27, "File too large")))
+    assert not echoes.filter(record(f"reading {tmp_path.resolve() / '2' / 'state'} failed"))
+    assert echoes.filter(record(late, ZeroDivisionError("a bug")))
+    assert echoes.filter(record("another folder's write failed"))
+
+
 def test_a_save_that_fails_for_another_reason_than_storage_is_no_save_failed(tmp_path):
     """SaveFailed says 'is the disk full?': a bug (here a state Orbax cannot save) keeps its own
     error and traceback instead."""

@@ -93,6 +93,16 @@ class _OrbaxErrorsOnOneLine(logging.Filter):
         return True
 
 
+class _EchoesOfFailedSave(checkpoint_io.MentionsPath):
+    """After a save failed: asyncio's reports of its other writes, logged when their tasks are
+    collected (even at exit): those naming a file under the checkpoints, and those whose
+    exception is the storage error already reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return super().filter(record) and not _is_storage_error(error)
+
+
 class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
@@ -192,7 +202,7 @@ class Checkpointer:
         again (asyncio logs each when its task is collected, even at exit, and Python warns
         of those it never started)."""
         self._failed = True
-        logging.getLogger("asyncio").addFilter(checkpoint_io.MentionsPath(self.directory))
+        logging.getLogger("asyncio").addFilter(_EchoesOfFailedSave(self.directory))
         warnings.filterwarnings("ignore", r"coroutine 'async_serialize", RuntimeWarning)
         try:
             on_disk = set(ocp.utils.checkpoint_steps(self.directory))
