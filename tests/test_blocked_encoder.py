@@ -1,7 +1,8 @@
 """The encoder's memory-bounded attention path (config ``blocked_attention_from``) computes
 what the plain path computes, for every text scheme: hidden states, MLM / EMD logits,
 [CLS]-only classification and every parameter's gradient, at lengths that are not multiples
-of the block, with padded rows, scanned and rematerialised stacks; and it is the default from
+of the block, with padded rows, scanned and rematerialised stacks; for every ViT scheme on a
+patch grid but DeBERTa's 2D one (which keeps the plain path); and it is the default from
 ``blocked_attention_from`` tokens on, while captured attention maps keep the plain path."""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from model_inputs import max_abs_error, padded_text_batch, random_params
-from posjax import TextConfig, TextForMaskedLM, TextForSequenceClassification
-from posjax.models.schemes import TEXT_SCHEMES
+from posjax import TextConfig, TextForMaskedLM, TextForSequenceClassification, ViT, ViTConfig
+from posjax.models.schemes import TEXT_SCHEMES, VIT_SCHEMES
 
 TOL = 2e-5
 LENGTHS = (45, 38, 6, 0)   # L = 45: not a multiple of the 16-token blocks; a fully padded row
@@ -110,3 +111,53 @@ def test_blocked_path_is_the_default_for_long_inputs_and_not_while_capturing():
                                mutable=["intermediates"])
         maps = jax.tree.leaves(state)
         assert any(m.shape[-2:] == (length, length) for m in maps)
+
+
+def vit_config(scheme: str, **overrides) -> ViTConfig:
+    """A 5 × 7 patch grid: 36 tokens with [CLS] (not a multiple of the 16-token blocks)."""
+    fields = dict(position_scheme=scheme, image_size=(20, 28), patch_size=4, num_channels=3,
+                  hidden_size=32, num_heads=4, num_layers=2, mlp_dim=48, num_classes=5,
+                  relative_buckets=8, relative_max_distance=5, attention_block_size=16,
+                  blocked_attention_from=0)
+    if scheme.startswith("deberta"):
+        fields.update(pooling="gap", max_relative_positions=4, position_buckets=4)
+    return ViTConfig(**{**fields, **overrides})
+
+
+VIT_CASES = {s: vit_config(s) for s in VIT_SCHEMES}
+VIT_CASES.update({"tupe_r tie_cls": vit_config("tupe_r", tie_cls=True),
+                  "bert_rel gap": vit_config("bert_rel", pooling="gap"),
+                  "rope scan remat": vit_config("rope", num_layers=3, scan_layers=True,
+                                                remat=True)})
+
+
+@pytest.mark.parametrize("name", list(VIT_CASES))
+def test_blocked_path_on_patch_grids(name):
+    """Logits and every gradient on both paths; the blocked one has no (h, L, L) array, and
+    DeBERTa's 2D relative terms keep the plain path."""
+    cfg = VIT_CASES[name]
+    images = np.random.default_rng(1).normal(size=(3, 20, 28, 3)).astype(np.float32)
+    p = random_params(ViT(cfg), images)
+    blocked_cfg = dataclasses.replace(cfg, blocked_attention_from=8)
+
+    def run(c):
+        def loss(p):
+            logits = ViT(c).apply(p, images)
+            return (logits ** 2).mean(), logits
+        fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (_, logits), grads = fn(p)
+        return np.asarray(logits), grads, fn.lower(p).as_text()
+
+    logits, grads, _ = run(cfg)
+    b_logits, b_grads, hlo = run(blocked_cfg)
+    tokens = 35 + (cfg.pooling == "token")
+    square = f"x4x{tokens}x{tokens}xf32"   # (B, heads, L, L) logits or weights
+    assert (square in hlo) == (cfg.position_scheme in ("deberta", "deberta_v2")), name
+    assert max_abs_error(b_logits, logits) <= TOL
+    largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+    for (path, g), bg in zip(jax.tree_util.tree_leaves_with_path(grads),
+                             jax.tree.leaves(b_grads)):
+        scale = max(float(np.abs(g).max()), 1e-3 * largest)
+        err = float(np.abs(np.asarray(bg) - np.asarray(g)).max()) / scale
+        assert err <= 1e-4, f"{name}: gradient of {jax.tree_util.keystr(path)} off by {err:.2e}"
+

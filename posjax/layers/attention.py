@@ -238,7 +238,8 @@ class MultiHeadAttention(nn.Module):
                 dropout_rate=self.attention_dropout_rate if train else 0.0)
             return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                          axis=(-2, -1))(out)
-        if block_terms is not None:   # a few query rows (first_only): their rows of the terms
+        if block_terms is not None and block_terms.needs_positions():
+            # A few query rows (first_only): their rows of the terms.
             rows = block_terms.rows(x_q.shape[1], x_kv.shape[1])
             bias = rows if bias is None else bias + rows
         logits = content_logits(q, k, self.logit_scale)

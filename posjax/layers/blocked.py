@@ -142,14 +142,27 @@ class RelativeBucketBias:
 
 @struct.dataclass
 class LinearBias:
-    """ALiBi-style symmetric linear bias t[h, i, j] = −slopes[h]·|i − j|; slopes: (h,)."""
+    """ALiBi-style symmetric linear bias t[h, i, j] = −slopes[h]·|i − j|; slopes: (h,). On a
+    patch grid (``coords`` (A, L): each token's row and column, ``positioned`` (L,) bool) the
+    distance is Σ_a |c_a[i] − c_a[j]|, and 0 for a pair with a token without a position
+    ([CLS]), as ``position_bias.alibi_bias``."""
 
     slopes: Array
+    coords: Array | None = None
+    positioned: Array | None = None
 
     ROW_FIELDS = {}   # every array is shared by all blocks
 
     def block_logits(self, ctx: BlockContext) -> Array:
-        dist = jnp.abs(ctx.kpos[None, :] - ctx.qpos[:, None]).astype(jnp.float32)
+        if self.coords is None:
+            dist = jnp.abs(ctx.kpos[None, :] - ctx.qpos[:, None]).astype(jnp.float32)
+        else:   # padded positions past L read the last token's entries; they are masked
+            cq = jnp.take(self.coords, ctx.qpos, axis=1, mode="clip")
+            ck = jnp.take(self.coords, ctx.kpos, axis=1, mode="clip")
+            dist = jnp.abs(cq[:, :, None] - ck[:, None, :]).sum(0)
+            both = (jnp.take(self.positioned, ctx.qpos, mode="clip")[:, None]
+                    & jnp.take(self.positioned, ctx.kpos, mode="clip")[None, :])
+            dist = jnp.where(both, dist, 0.0)
         return -self.slopes.astype(jnp.float32)[:, None, None] * dist
 
 

@@ -84,6 +84,10 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
         _check(0.0 <= v < 1.0, f, v, "must lie in [0, 1)")
     _check(c.layer_norm_eps > 0, "layer_norm_eps", c.layer_norm_eps, "must be > 0")
     _check(c.gather in GATHERS, "gather", c.gather, f"choose one of {', '.join(GATHERS)}")
+    _check(c.attention_block_size > 0, "attention_block_size", c.attention_block_size,
+           "must be > 0 (set blocked_attention_from=0 to never block attention)")
+    _check(c.blocked_attention_from >= 0, "blocked_attention_from", c.blocked_attention_from,
+           "must be >= 0 (0: never block attention)")
     scheme = SCHEMES[c.position_scheme]
     if scheme.rotary:
         axes = 2 if isinstance(c, ViTConfig) else 1
@@ -222,10 +226,6 @@ class TextConfig:
         _check(self.extend_positions in EXTEND_POSITIONS, "extend_positions",
                self.extend_positions, "choose '' (refuse lengths beyond the position table) or "
                "'interpolate' (resample its rows to the length; eval.py only)")
-        _check(self.attention_block_size > 0, "attention_block_size", self.attention_block_size,
-               "must be > 0 (set blocked_attention_from=0 to never block attention)")
-        _check(self.blocked_attention_from >= 0, "blocked_attention_from",
-               self.blocked_attention_from, "must be >= 0 (0: never block attention)")
         _check(self.conv_kernel_size >= 0, "conv_kernel_size", self.conv_kernel_size,
                "must be >= 0 (0: no convolution layer)")
         if self.conv_kernel_size:
@@ -292,6 +292,10 @@ class ViTConfig:
     share_att_key: bool = False
     norm_rel_ebd: bool = False
     gather: str = "shift"                # grids are not Toeplitz: shift, skew gather like take
+    # Memory-bounded attention as TextConfig's (from blocked_attention_from tokens on, [CLS]
+    # included; 0: never), for every scheme but DeBERTa's 2D one, which stays plain.
+    attention_block_size: int = 512
+    blocked_attention_from: int = 2048
     remat: bool = False
     scan_layers: bool = False
 

@@ -260,10 +260,12 @@ class Encoder(nn.Module):
 
     def uses_blocked_attention(self, length: int) -> bool:
         """Whether a forward over ``length`` tokens runs the memory-bounded blocked path
-        (``posjax.layers.blocked``): text from ``cfg.blocked_attention_from`` tokens on (0:
-        never), and not while attention maps are captured (the blocked path has no L × L map)."""
-        start = getattr(self.cfg, "blocked_attention_from", 0)
-        return (self.grid is None and start > 0 and length >= start
+        (``posjax.layers.blocked``): from ``cfg.blocked_attention_from`` tokens on (0: never),
+        except DeBERTa on a patch grid (its 2D relative terms have no blocked form), and not
+        while attention maps are captured (the blocked path has no L × L map)."""
+        start = self.cfg.blocked_attention_from
+        grid_deberta = self.grid is not None and scheme_of(self.cfg).disentangled
+        return (not grid_deberta and start > 0 and length >= start
                 and not self.is_mutable_collection("intermediates"))
 
     def position_terms(self, length: int, blocked_path: bool = False) -> dict[str, Any]:
@@ -298,8 +300,12 @@ class Encoder(nn.Module):
                 block_terms = block_terms.replace(
                     relative_bias=self.relative_bias.block_terms(length))
             if "alibi" in scheme.terms:
-                block_terms = block_terms.replace(linear_bias=blocked.LinearBias(
-                    jnp.asarray(positions.alibi_slopes(cfg.num_heads))))
+                slopes = jnp.asarray(positions.alibi_slopes(cfg.num_heads))
+                grid_coords = ({} if self.grid is None else dict(
+                    coords=jnp.asarray(np.stack(coords), jnp.float32),
+                    positioned=jnp.asarray(positioned)))
+                block_terms = block_terms.replace(
+                    linear_bias=blocked.LinearBias(slopes, **grid_coords))
             terms["block_terms"] = block_terms
             return terms
         bias = None
