@@ -84,7 +84,7 @@ def test_blocked_path_equals_plain_path(name):
         assert err <= 1e-4, f"{name}: gradient of {jax.tree_util.keystr(path)} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("scheme", ["bert_abs_d", "tupe_r", "deberta", "alibi"])
+@pytest.mark.parametrize("scheme", ["bert_abs", "bert_abs_d", "tupe_r", "deberta", "alibi", "rope"])
 def test_blocked_path_cls_classifier(scheme):
     """first_only: the last layer's [CLS] row alone reads the blocked terms' first row."""
     cfg = CASES[scheme]
