@@ -95,14 +95,15 @@ def convergence(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], bas
     its curve dipped below earlier); steps interpolated between evaluations. Per entry: those
     steps and ratios per seed, and the mean ratio over the seeds the two share (None unless the
     entry reached the target in every one of them)."""
-    def curve(record: dict[str, Any]) -> dict[str, list[float]] | None:
+    def read(record: dict[str, Any]) -> dict[str, list[float]] | None:
         path = root / "results" / f"{record['cell']}_curve.csv"
         c = read_curve(path) if path.is_file() else {}
         return c if len(c.get("eval_loss", ())) else None
 
+    curves = {r["cell"]: read(r) for records in groups.values() for r in ok(records)}
     targets = {}   # seed -> (the baseline's final loss, the steps it needs to reach it)
     for r in ok(groups.get(base, [])):
-        final, c = metric(r, "final.loss"), curve(r)
+        final, c = metric(r, "final.loss"), curves[r["cell"]]
         if final is not None and c is not None:
             targets[r["seed"]] = (final, stats.steps_to_reach(c["step"], c["eval_loss"], final))
     if not targets:
@@ -111,7 +112,7 @@ def convergence(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], bas
     for name, records in groups.items():
         steps, ratios = {}, {}
         for r in ok(records):
-            c = curve(r)
+            c = curves[r["cell"]]
             if r["seed"] not in targets or c is None:
                 continue
             target, base_steps = targets[r["seed"]]
@@ -438,7 +439,7 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
                                                       for k, v in c["stage_errors"].items())
         lines.append(f"| {c['cell']} | {c['scheme']} | {c['status']} | "
                      f"{note.replace('|', '/').replace(chr(10), ' ')[:300]} |")
-    metrics_ = list(next(iter(rep["table"].values()), {}).keys() - {"status"})
+    metrics_ = sorted(next(iter(rep["table"].values()), {}).keys() - {"status"})
     lines += ["", "## Final held-out metrics", "",
               "| entry | " + " | ".join(metrics_) + " |", "|---" * (len(metrics_) + 1) + "|"]
     for name, row in rep["table"].items():

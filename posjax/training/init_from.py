@@ -243,10 +243,16 @@ def _resampling(key: str, saved_shape: tuple[int, ...], shape: tuple[int, ...],
         return None
 
 
+def saved_model_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """The model section of a saved config: ``model`` in a train.py workdir's config.json,
+    ``config`` in the converter's model_config.json."""
+    return saved.get("model", saved.get("config", saved))
+
+
 def _grid(model_cfg: dict[str, Any], tokens: int) -> tuple[int, int]:
     """Patch grid: from image_size / (patch_size · the ResNet stem's stride) in a (possibly
     nested) model config, else square."""
-    cfg = model_cfg.get("model", model_cfg.get("config", model_cfg))
+    cfg = saved_model_config(model_cfg)
     if "image_size" in cfg and "patch_size" in cfg:
         size = cfg["image_size"]
         patch = cfg["patch_size"]

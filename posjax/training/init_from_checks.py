@@ -30,9 +30,7 @@ def check_init_from(path: str | pathlib.Path, target_params: Any,
     params_dir, cfg_file = init_from_lib.pretrained_location(path)
     saved = init_from_lib.saved_tree(path, params_dir)["params"]
     saved_cfg = init_from_lib.pretrained_config(cfg_file)
-    # The model section: ``model`` in a train.py workdir's config.json, ``config`` in the
-    # converter's model_config.json.
-    saved_model = saved_cfg.get("model", saved_cfg.get("config", saved_cfg))
+    saved_model = init_from_lib.saved_model_config(saved_cfg)
     with_pooler = "pooler" in saved   # a text classifier's: its activation then matters
     # A train.py run left out only fields at their defaults; a model_config.json may be partial.
     missing_are_defaults = cfg_file.name == "config.json" and cfg_file.is_file()
