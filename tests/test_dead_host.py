@@ -40,21 +40,32 @@ def _start(workdir: pathlib.Path, logs: list[pathlib.Path],
                     [*flags, f"--config.distributed.peer_timeout_s={peer_timeout_s}"])
 
 
+def _partial_saves(checkpoints: pathlib.Path) -> set[str]:
+    """Names of the partial (in progress or abandoned) saves in ``checkpoints``."""
+    try:
+        return {n for n in os.listdir(checkpoints) if ".orbax-checkpoint-tmp" in n}
+    except FileNotFoundError:
+        return set()
+
+
 def launch_and_hit(workdir, log_dir, name, victim, sig, after_step=None, mid_save=False):
     """Start the 2 processes; once process 0 reports ``after_step`` (or, ``mid_save``, as soon
     as a save is in progress: a partial step directory exists), send ``sig`` to ``victim``.
     Returns (survivor's output, its exit status, seconds from the signal to its exit, whether
     the signal came during a save)."""
     logs = [log_dir / f"{name}_{i}.log" for i in range(2)]
+    checkpoints = workdir / "checkpoints"
+    # A partial save left by an earlier hit is no sign of a save now: seen at once, it would
+    # have the victim killed before it joined the run (the survivor then waits JAX's 300 s
+    # for it to connect).
+    partial_before = _partial_saves(checkpoints)
     procs, copiers = _start(workdir, logs)
     survivor = procs[1 - victim]
-    checkpoints = workdir / "checkpoints"
     during_save = False
     try:
         while procs[0].poll() is None:
             if mid_save:
-                if checkpoints.is_dir() and any(".orbax-checkpoint-tmp" in n
-                                                for n in os.listdir(checkpoints)):
+                if _partial_saves(checkpoints) - partial_before:
                     during_save = True
                     break
                 time.sleep(0.001)
