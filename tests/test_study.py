@@ -219,6 +219,10 @@ def test_tiny_studies_end_to_end(tmp_path):
     curve = (text / "results" / f"{first}_curve.csv").read_text().splitlines()
     assert curve[0].startswith("step,train_loss") and len(curve) >= 3
     assert rec["status"] == "ok" and _finite(rec["final"]["loss"])
+    # where a cell's time went: training, then each follow-up stage that ran
+    assert 0 < rec["train_s"] <= rec["wall_s"]
+    assert {"params", "glue_mrpc", "synth_shift", "extrapolation"} <= set(rec["stage_s"])
+    assert rec["train_s"] + sum(rec["stage_s"].values()) <= rec["wall_s"] + 0.05   # rounded
     rep = report.build(text)
     manifest = json.loads((text / "results" / "study.json").read_text())
     _check_common(rep, manifest["cells"], ("bert_abs", "tupe_a", "deberta_v2_no_emd"))
@@ -235,7 +239,11 @@ def test_tiny_studies_end_to_end(tmp_path):
     assert set(rep["head_labels"]["tupe_a"]) <= {"global", "local", "broad", "previous", "next"}
     assert {"curves.png", "tupe_terms_bert_abs.png", "tupe_heads_tupe_a.png"} <= set(rep["figures"])
     md = (text / "report.md").read_text()
+    times = rep["time"]["entries"]["bert_abs"]
+    assert times["cells"] == 2 and 0 < times["train_s"] <= times["wall_s"]
+    assert times["stage_s"]["glue_mrpc"] > 0 and rep["time"]["sum_wall_s"] > times["wall_s"]
     for word in ("broken-s2 | bert_abs | failed", "not distinguishable", "## Claims",
+                 "## Time per cell", "| entry | cells | wall | training | analysis |",
                  "the table has no rows beyond L", "side by side in one process"):
         assert word in md, word
     # the report from results/ alone (as merged from other machines)

@@ -166,13 +166,24 @@ def write_curve(path: pathlib.Path, rows: list[dict[str, float]]) -> None:
             w.writerow({k: r.get(k, "") for k in keys})
 
 
-def _stage(errors: dict[str, str], name: str, fn, *args) -> Any:
-    """``fn(*args)``; an exception is recorded under ``name`` (None returned)."""
-    try:
-        return fn(*args)
-    except Exception as e:   # noqa: BLE001 - a follow-up failure must not end the grid
-        errors[name] = f"{type(e).__name__}: {e}"
-        return None
+class Stages:
+    """The follow-up stages of a cell: ``errors`` (stage -> message) and ``seconds`` (stage ->
+    wall time; a stage run twice adds up)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
+
+    def run(self, name: str, fn, *args) -> Any:
+        """``fn(*args)``, timed; an exception is recorded under ``name`` (None returned)."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:   # noqa: BLE001 - a follow-up failure must not end the grid
+            self.errors[name] = f"{type(e).__name__}: {e}"
+            return None
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _train_stage(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
@@ -209,37 +220,39 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     rdir = results_dir(root)
     rdir.mkdir(parents=True, exist_ok=True)
     write_curve(rdir / f"{cell.id}_curve.csv", runner.curve(records))
-    errors: dict[str, str] = {}
-    params = _stage(errors, "params", runner.load_params, workdir)
+    record["train_s"] = time.time() - started
+    stages = Stages()
+    params = stages.run("params", runner.load_params, workdir)
     if params is not None:
         record["params"] = runner.param_count(params)
     if params is None or cell.seed > study.get("follow_up_seeds", 10**6):
         pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
     elif study.kind == "text":
-        _text_follow_ups(root, study, config, cell, params, record, errors)
+        _text_follow_ups(root, study, config, cell, params, record, stages)
     else:
-        _vit_follow_ups(root, study, config, cell, params, record, errors)
-    record["stage_errors"] = errors
+        _vit_follow_ups(root, study, config, cell, params, record, stages)
+    record["stage_errors"] = stages.errors
+    record["stage_s"] = {k: round(v, 2) for k, v in stages.seconds.items()}
     record["wall_s"] = time.time() - started
     write_json(results_file(root, cell.id), record)
     return record
 
 
 def _text_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
-                     cell: Cell, params: Any, record: dict[str, Any], errors: dict[str, str]
+                     cell: Cell, params: Any, record: dict[str, Any], stages: Stages
                      ) -> None:
     length = int(config.data.max_seq_length)
     extra = study.get("extrapolation", {})
     if extra.get("factors"):
-        record["extrapolation"] = _stage(
-            errors, "extrapolation", length_results, config, params, length,
+        record["extrapolation"] = stages.run(
+            "extrapolation", length_results, config, params, length,
             [1, *extra.factors], extra.get("max_batches", None))
     record["glue"] = {}
     for task in study.get("glue", {}).get("tasks", []):
         def glue(task=task):
             c = glue_config(study, config, task, cell_dir(root, cell.id))
             return _train_stage(c, cell_dir(root, cell.id, f"glue_{task}"))
-        if (r := _stage(errors, f"glue_{task}", glue)) is not None:
+        if (r := stages.run(f"glue_{task}", glue)) is not None:
             record["glue"][task] = r
     synth = study.get("synthetic", {})
     record["synthetic"] = {}
@@ -250,10 +263,10 @@ def _text_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Conf
             _train_stage(c, wd)
             return length_results(c, runner.load_params(wd), int(synth.length),
                                   list(synth.get("factors", [1, 2, 4])), None)
-        if (r := _stage(errors, f"synth_{task}", run_synth)) is not None:
+        if (r := stages.run(f"synth_{task}", run_synth)) is not None:
             record["synthetic"][task] = r
     if cell.seed == 1 and study.get("analysis", True):
-        _stage(errors, "analysis", _text_analysis, root, config, cell, params)
+        stages.run("analysis", _text_analysis, root, config, cell, params)
 
 
 def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: Cell,
@@ -278,7 +291,7 @@ def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: 
 
 
 def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
-                    cell: Cell, params: Any, record: dict[str, Any], errors: dict[str, str]
+                    cell: Cell, params: Any, record: dict[str, Any], stages: Stages
                     ) -> None:
     from posjax.layers.positions import resample_position_table
 
@@ -306,7 +319,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
                 table = np.asarray(resample_position_table(params["pos_embedding"], (old, old),
                                                            (grid, grid), prefix, method))
                 p = {**params, "pos_embedding": table}
-                r = _stage(errors, f"transfer_{new}_{method}", runner.evaluate_params,
+                r = stages.run(f"transfer_{new}_{method}", runner.evaluate_params,
                            at_size(config), p, transfer.get("max_batches", None))
                 if r is not None:
                     entry[method] = r
@@ -314,7 +327,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
             entry["as_is"] = {"reason": "TUPE's untied table is tied to the grid: fine-tuned "
                                         "column only (init_from resamples it)"}
         else:
-            r = _stage(errors, f"transfer_{new}", runner.evaluate_params, at_size(config),
+            r = stages.run(f"transfer_{new}", runner.evaluate_params, at_size(config),
                        params, transfer.get("max_batches", None))
             if r is not None:
                 entry["as_is"] = r
@@ -326,7 +339,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
                 _override(c, dict(transfer.get("finetune_overrides", {})))
                 c.num_steps = int(transfer.finetune_steps)
                 return _train_stage(c, cell_dir(root, cell.id, f"ft{n}"))
-            r = _stage(errors, f"finetune_{new}", finetune)
+            r = stages.run(f"finetune_{new}", finetune)
             if r is not None:
                 entry["finetuned"] = r
         record["transfer"][str(new)] = entry

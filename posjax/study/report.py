@@ -322,6 +322,7 @@ def build(root: pathlib.Path) -> dict[str, Any]:
             rep["paired"][name] = {m: stats.paired(seeds_of(rs, m), seeds_of(groups[base], m))
                                    for m in primary}
     rep["cost"], rep["cost_measurement"] = _cost(root)
+    rep["time"] = _times(groups)
     if kind == "text":
         rep["convergence"] = convergence(root, groups, base)
         rep["glue"] = _glue(groups)
@@ -346,6 +347,27 @@ def _plain(x: Any) -> Any:
 
 def _keys(groups: dict[str, list[dict[str, Any]]], field: str) -> list[str]:
     return sorted({k for rs in groups.values() for r in ok(rs) for k in r.get(field, {})})
+
+
+def _times(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Where the grid's time went, as run (machine load included): per entry the median over
+    its finished cells of the wall time, the training part (main run and its evals) and each
+    follow-up stage; and the sum of all cells' wall times."""
+    def median(xs: list[float]) -> float | None:
+        return float(np.median(xs)) if xs else None
+
+    entries: dict[str, Any] = {}
+    total = 0.0
+    for name, rs in groups.items():
+        done = [r for r in ok(rs) if _number(r.get("wall_s"))]
+        total += sum(r["wall_s"] for r in done)
+        stages = sorted({k for r in done for k in r.get("stage_s", {})})
+        entries[name] = {"cells": len(done),
+                         "wall_s": median([r["wall_s"] for r in done]),
+                         "train_s": median([r["train_s"] for r in done if "train_s" in r]),
+                         "stage_s": {k: median([r["stage_s"][k] for r in done
+                                                if k in r.get("stage_s", {})]) for k in stages}}
+    return {"sum_wall_s": total, "entries": entries}
 
 
 def _glue(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -439,6 +461,7 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
                                                       for k, v in c["stage_errors"].items())
         lines.append(f"| {c['cell']} | {c['scheme']} | {c['status']} | "
                      f"{note.replace('|', '/').replace(chr(10), ' ')[:300]} |")
+    lines += _time_lines(rep["time"])
     metrics_ = sorted(next(iter(rep["table"].values()), {}).keys() - {"status"})
     lines += ["", "## Final held-out metrics", "",
               "| entry | " + " | ".join(metrics_) + " |", "|---" * (len(metrics_) + 1) + "|"]
@@ -502,6 +525,22 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
     lines += ["", "Rules: " + "; ".join(f"**{k}**: {v}" for k, v in CLAIM_RULES.items()), ""]
     lines += ["## Figures", ""] + [f"![{f}]({f})" for f in rep["figures"]]
     return "\n".join(lines) + "\n"
+
+
+def _time_lines(time: dict[str, Any]) -> list[str]:
+    def sec(x: float | None) -> str:
+        return "—" if x is None else f"{x:.0f}"
+
+    stages = sorted({k for e in time["entries"].values() for k in e["stage_s"]})
+    lines = ["", "## Time per cell (wall seconds as run, machine load included; median over "
+             f"finished cells; all cells together {time['sum_wall_s'] / 3600:.2f} h)", "",
+             "| " + " | ".join(["entry", "cells", "wall", "training", *stages]) + " |",
+             "|---" * (4 + len(stages)) + "|"]
+    for name, e in time["entries"].items():
+        row = [name, str(e["cells"]), sec(e["wall_s"]), sec(e["train_s"]),
+               *(sec(e["stage_s"].get(k)) for k in stages)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def _number(x: Any) -> bool:
