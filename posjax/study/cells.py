@@ -205,9 +205,10 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     config = main_config(base, cell)
     record["config"] = _config_summary(config)
     workdir = cell_dir(root, cell.id)
-    started = time.time()
+    started = time.perf_counter()
     try:
         record["final"] = _train_stage(config, workdir)
+        record["train_s"] = time.perf_counter() - started
     except KeyboardInterrupt:
         raise
     except Exception as e:   # noqa: BLE001 - reported as a failed cell, the grid goes on
@@ -220,7 +221,6 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     rdir = results_dir(root)
     rdir.mkdir(parents=True, exist_ok=True)
     write_curve(rdir / f"{cell.id}_curve.csv", runner.curve(records))
-    record["train_s"] = time.time() - started
     stages = Stages()
     params = stages.run("params", runner.load_params, workdir)
     if params is not None:
@@ -232,8 +232,8 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     else:
         _vit_follow_ups(root, study, config, cell, params, record, stages)
     record["stage_errors"] = stages.errors
-    record["stage_s"] = {k: round(v, 2) for k, v in stages.seconds.items()}
-    record["wall_s"] = time.time() - started
+    record["stage_s"] = stages.seconds
+    record["wall_s"] = time.perf_counter() - started
     write_json(results_file(root, cell.id), record)
     return record
 
