@@ -74,7 +74,7 @@ def get_config(variant: str = ""):
                                       "checkpoint.every_steps": 300})
         s.cells = cells(max_grid=8 if variant == "mnist" else 4)
         ft = {"optimizer.warmup_steps": 5}
-        max_batches = 8
+        transfer_split = ""             # the cells' own test split
     else:
         s.title = "Position encodings on images (ViT, CIFAR-10)"
         s.base = str(HERE / "vit_cifar10.py")
@@ -83,14 +83,14 @@ def get_config(variant: str = ""):
                                       "eval_every_steps": 200, "log_every_steps": 100,
                                       "checkpoint.every_steps": 400,
                                       "optimizer.warmup_steps": 80,
-                                      "data.test_split": "test[:2000]", "eval_batch_size": 250})
+                                      "data.test_split": "test[::5]", "eval_batch_size": 250})
         s.cells = cells(max_grid=16)
         ft = {"optimizer.warmup_steps": 5}
-        max_batches = 4
+        transfer_split = "test[::10]"   # every class: the file is ordered by class
     s.claims = claims(sizes)
     s.transfer = ml_collections.ConfigDict({
         "sizes": sizes, "methods": ["bilinear", "bicubic"], "finetune_steps": 50,
-        "max_batches": max_batches, "finetune_overrides": overrides(ft)})
+        "test_split": transfer_split, "finetune_overrides": overrides(ft)})
     # Cost: every entry's train step timed side by side in one process (posjax/study/cost.py).
     s.cost = ml_collections.ConfigDict({"rounds": 7, "steps": 5})
     if variant == "tiny":
@@ -106,7 +106,6 @@ def get_config(variant: str = ""):
             "optimizer.warmup_steps": 1, "data.train_split": "test[:256]",
             "data.test_split": "test[9000:9064]", "eval_batch_size": 64})
         s.transfer.finetune_steps = 2
-        s.transfer.max_batches = 1
         s.transfer.finetune_overrides = overrides({"optimizer.warmup_steps": 1,
                                                    "log_every_steps": 1,
                                                    "checkpoint.every_steps": 2})

@@ -108,6 +108,66 @@ def test_cifar10_npz_reads_real_files(shared_data):
     np.testing.assert_array_equal(batch["label"], labels)
 
 
+def test_a_slice_of_a_class_ordered_file_must_keep_every_class(shared_data):
+    """The packed CIFAR-10 files are ordered by class: test[:2000] is airplanes and cars only
+    (the image study once evaluated on it). Such a slice is one error naming the field and a
+    strided slice; the strided one reads every class, evenly, in file order."""
+    cfg = default_data_config("cifar10")
+    cfg.update(path=str(shared_data / "cifar10"), test_split="test[:2000]")
+    with pytest.raises(ValueError) as e:
+        make_image_pipeline(cfg, split="test", batch_size=250, seed=0, train=False)
+    assert str(e.value) == (
+        "data.test_split='test[:2000]' holds examples of 2 of the 10 classes of split 'test' "
+        "(none of [2, 3, 4, 5, 6, 7, 8, 9]): its examples are grouped by class, so a "
+        "contiguous slice drops classes; take every k-th example instead, e.g. 'test[::5]' "
+        "(2000 examples), or the whole split")
+    cfg.train_split = "train_20k[1000:3000]"   # the train split too, at any offset
+    with pytest.raises(ValueError, match=r"^data.train_split='train_20k\[1000:3000\]' holds "
+                                         r"examples of 2 of the 10 classes"):
+        make_image_pipeline(cfg, split="train", batch_size=8, seed=0, train=True)
+    cfg.test_split = "test[::5]"
+    pipe = make_image_pipeline(cfg, split="test", batch_size=250, seed=0, train=False)
+    labels = np.concatenate([b["label"][b["mask"]] for b in pipe.iterator])
+    assert pipe.num_examples == 2000
+    with np.load(shared_data / "cifar10" / "test.npz") as npz:
+        np.testing.assert_array_equal(labels, npz["label"][::5])
+    assert np.bincount(labels).tolist() == [200] * 10
+    cfg.test_split = "test[9990:]"             # the last class alone: refused as well
+    with pytest.raises(ValueError, match=r"holds examples of 1 of the 10 classes .* "
+                                         r"'test\[::1000\]' \(10 examples\)"):
+        make_image_pipeline(cfg, split="test", batch_size=8, seed=0, train=False)
+
+
+def test_strided_splits_shard_and_shuffle_the_selected_examples(tmp_path):
+    cfg = indexed_npz(tmp_path, (("train", 30), ("test", 30)))
+    cfg.test_split = "test[2:23:4]"                       # 2, 6, 10, 14, 18, 22
+    pipe = make_image_pipeline(cfg, split="test", batch_size=4, seed=0, train=False)
+    assert pipe.num_examples == 6
+    assert [i for b in pipe.iterator for i in ids(b)] == [2, 6, 10, 14, 18, 22]
+    shards = [make_image_pipeline(cfg, split="test", batch_size=2, seed=0, train=False,
+                                  shard_index=s, shard_count=2) for s in range(2)]
+    assert [[i for b in p.iterator for i in ids(b)] for p in shards] == [[2, 10, 18],
+                                                                        [6, 14, 22]]
+    cfg.train_split = "train[::3]"                        # 0, 3, ..., 27: every class (i % 3)?
+    with pytest.raises(ValueError, match=r"holds examples of 1 of the 3 classes"):
+        make_image_pipeline(cfg, split="train", batch_size=5, seed=0, train=True)
+    cfg.train_split = "train[::2]"
+    train = make_image_pipeline(cfg, split="train", batch_size=5, seed=0, train=True)
+    seen = [i for b in take(train, 3) for i in ids(b)]    # 15 = one epoch of 15 examples
+    assert sorted(seen) == list(range(0, 30, 2))
+    assert sources.split_range("test[::]", 5) == range(5)
+    assert sources.split_range("test[10%::3]", 30) == range(3, 30, 3)
+    assert sources.without_step("test[10%::3]") == "test[10%:]"
+    assert sources.without_step("test[::3]") == "test"
+    for spec in ("test[::0]", "test[::00]"):
+        with pytest.raises(ValueError, match=r"the step \(after the second ':'\) must be an "
+                                             r"integer >= 1"):
+            sources.split_range(spec, 10)
+    for spec in ("test[::-1]", "test[:::2]", "test[::2%]"):
+        with pytest.raises(ValueError, match=r"is not understood"):
+            sources.parse_split(spec)
+
+
 def test_image_folder_of_mixed_sizes(tmp_path):
     colours = {"cat": (200, 10, 10), "dog": (10, 10, 200)}
     for split, sizes in (("train", [(9, 7), (12, 12), (5, 20)]), ("test", [(8, 6)])):
@@ -150,8 +210,11 @@ def test_tfds_array_record_round_trip_without_tensorflow(tmp_path):
 
     cfg = default_data_config("tfds")
     cfg.update(tfds_name="image_arrays", data_dir=str(tmp_path), train_split="train[:50%]",
-               image_size=4, mixup_alpha=0.2)
+               image_size=4, mixup_alpha=0.2, test_split="test[1::2]")
     validate_data_config(cfg)
+    test = make_image_pipeline(cfg, split="test", batch_size=4, seed=0, train=False)
+    (batch,) = list(test.iterator)   # TFDS reads test[1:], posjax takes every 2nd: 1, 3
+    assert test.num_examples == 2 and batch["label"][batch["mask"]].tolist() == [1, 3]
     pipe = make_image_pipeline(cfg, split="train", batch_size=3, seed=1, train=True)
     assert pipe.num_examples == 6 and pipe.image_shape == (4, 4, 3)
     batch = next(pipe.iterator)

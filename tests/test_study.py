@@ -132,6 +132,26 @@ def test_bad_study_configs_are_one_clear_error(edit, words, tmp_path, capsys):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("field, split, words", [
+    ("transfer.test_split", "test[:1000]",
+     "study.transfer.test_split='test[:1000]' holds examples of 1 of the 10 classes"),
+    ("transfer.test_split", "test[::0]", "study.transfer.test_split='test[::0]': split "),
+    ("base_overrides", (("data.test_split", "test[9000:]"),),
+     "data.test_split='test[9000:]' holds examples of 1 of the 10 classes"),
+])
+def test_image_study_splits_are_checked_before_any_cell(field, split, words):
+    """A slice of the class-ordered CIFAR-10 file that drops classes (the transfer's too,
+    which is read only after training) is refused before anything trains."""
+    study = load_config_file(VIT)
+    if field == "base_overrides":
+        study.base_overrides = tuple(study.base_overrides) + split
+    else:
+        study.transfer.test_split = split
+    with pytest.raises(StudyConfigError) as e:
+        check_study(study)
+    assert words in str(e.value), str(e.value)
+
+
 def test_cli_bad_config_and_report_without_results(tmp_path, capsys):
     bad = tmp_path / "bad_study.py"
     bad.write_text(open(TEXT).read().replace(

@@ -171,6 +171,8 @@ def test_wikitext_global_batches_do_not_depend_on_the_shard_count(wikitext_cfg):
     """Shards 0 and 1 of 2 (4 rows each) concatenate to the 1-shard batch of 8, bit for bit
     (tokens and masks), across the first epoch boundary."""
     tokenizer = text.load_tokenizer(wikitext_cfg.tokenizer, lowercase=True)
+    assert list(text.open_documents(wikitext_cfg, "valid[10:300:7]")) == \
+        list(text.open_documents(wikitext_cfg, "valid"))[10:300:7]
     per_epoch = len(text.pack_documents(text.open_documents(wikitext_cfg, "valid[:300]"),
                                         tokenizer, text.pack_spec(wikitext_cfg, tokenizer),
                                         wikitext_cfg.unk_marker))
@@ -267,6 +269,8 @@ def test_tfds_corpus(wikitext_cfg):
         assert len(batches) == evaluation.num_batches
         seps = sum(int(((b["input_ids"] == 102) & b["mask"][:, None]).sum()) for b in batches)
         assert seps == 24
+        # a step: TFDS reads the split, posjax takes every 5th (mock data differ per open)
+        assert len(text.open_documents(cfg, "train[::5]")) == len(range(0, 24, 5))
         cfg.text_key = "body"
         with pytest.raises(ValueError, match="data.text_key='body' is not a feature"):
             text.make_mlm_pipeline(cfg, split="train", batch_size=4, seed=0, train=True)

@@ -322,7 +322,7 @@ def read_split(cfg: ml_collections.ConfigDict, split: str, evaluated: bool = Fal
     examples, report = read_tsv(path, task, labelled=not is_test_split(split),
                                 every_row=evaluated)
     selected = sources.split_range(split, len(examples))
-    return examples[selected.start:selected.stop], report
+    return examples[selected.start:selected.stop:selected.step], report
 
 
 # ----------------------------------------------------------------------------- encoding

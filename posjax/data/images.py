@@ -141,9 +141,9 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
     if cfg.name == "tfds":
         from posjax.data import tfds_sources
 
-        return tfds_sources.problems(cfg.tfds_name, cfg.data_dir,
-                                     {"train_split": cfg.train_split,
-                                      "test_split": cfg.test_split})
+        return tfds_sources.problems(
+            cfg.tfds_name, cfg.data_dir,
+            {f: sources.without_step(cfg[f]) for f in ("train_split", "test_split")})
     if cfg.name in LOCAL_WITH_PATH:
         root = pathlib.Path(cfg.path).expanduser() if cfg.path else None
         if root is None or not root.is_dir():
@@ -173,10 +173,44 @@ def open_split(cfg: ml_collections.ConfigDict, split: str):
     if cfg.name == "tfds":
         from posjax.data import tfds_sources
 
-        source = tfds_sources.tfds_source(cfg.tfds_name, split, cfg.data_dir)
-        return source, range(len(source))
+        source = tfds_sources.tfds_source(cfg.tfds_name, sources.without_step(split),
+                                          cfg.data_dir)
+        return source, range(len(source))[::sources.split_step(split)]
     source = sources.open_local_split(cfg.name, pathlib.Path(cfg.path).expanduser(), split)
     return source, sources.split_range(split, len(source))
+
+
+def open_checked_split(cfg: ml_collections.ConfigDict, field: str):
+    """``open_split`` of ``cfg[field]`` (``train_split`` or ``test_split``) after
+    ``check_classes_kept``."""
+    source, selected = open_split(cfg, cfg[field])
+    check_classes_kept(source, selected, name=f"data.{field}", spec=cfg[field])
+    return source, selected
+
+
+def check_classes_kept(source, selected: range, *, name: str, spec: str) -> None:
+    """Raises one ValueError when the slice ``selected`` of a split drops some of its classes.
+
+    Local files are often ordered by class (CIFAR-10 packed from class folders, image
+    folders), so ``test[:2000]`` may be two classes of ten: accuracy on it says little about
+    the model. Sources without a label array (TFDS, whose splits are shuffled) are not checked.
+    """
+    labels = getattr(source, "labels", None)
+    if labels is None or len(selected) in (0, len(labels)):
+        return
+    present = np.unique(labels)
+    kept = np.unique(labels[selected.start:selected.stop:selected.step])
+    dropped = np.setdiff1d(present, kept)
+    if dropped.size:
+        base, _, _ = sources.parse_split(spec)
+        step = max(1, len(labels) // len(selected))
+        raise ValueError(
+            f"{name}={spec!r} holds examples of {kept.size} of the {present.size} "
+            f"classes of split {base!r} (none of {dropped.tolist()[:10]}"
+            f"{'...' if dropped.size > 10 else ''}): its examples are grouped by class, so a "
+            f"contiguous slice drops classes; take every k-th example instead, e.g. "
+            f"'{base}[::{step}]' ({len(range(len(labels))[::step])} examples), or the whole "
+            "split")
 
 
 # ----------------------------------------------------------------------------- preprocessing
@@ -345,7 +379,7 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
                          f"global batch, so each of the {shard_count} processes needs an even "
                          f"batch, not {batch_size}; make batch_size a multiple of "
                          f"{2 * shard_count}")
-    source, selected = open_split(cfg, cfg.train_split if split == "train" else cfg.test_split)
+    source, selected = open_checked_split(cfg, f"{split}_split")
     height, width, channels = source.image_shape
     size = cfg.image_size
     if len(cfg.mean) not in (1, channels) or len(cfg.std) not in (1, channels):
@@ -361,13 +395,13 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
     augment = train and (cfg.random_resized_crop or cfg.flip)
     num_batches = None
     if train:   # the global stream; views keyed by global position
-        ds = ds[selected.start:selected.stop].shuffle(seed=seed).repeat()
+        ds = ds[selected.start:selected.stop:selected.step].shuffle(seed=seed).repeat()
         ds = ds.map_with_index(functools.partial(
             indexed_train_view, seed=seed, crop=cfg.random_resized_crop, flip=cfg.flip,
             scale=tuple(cfg.crop_scale), ratio=tuple(cfg.crop_ratio))) if augment \
             else ds.map(full_view)
     else:  # every shard pads to the same number of full batches
-        ds = ds[selected.start + shard_index:selected.stop:shard_count]
+        ds = ds[selected.start:selected.stop:selected.step][shard_index::shard_count]
         num_batches = eval_batches_per_shard(len(selected), shard_count, batch_size)
         ds = pad_to_full_batches(ds, num_batches, batch_size, full_view)
 

@@ -25,7 +25,11 @@ Labels must be integers in ``[0, num_classes)``, one per example; a file that ca
 is named in a ValueError.
 
 A split may carry a slice, as in TFDS: ``test[:8000]``, ``test[8000:]``, ``train[:80%]``
-(see ``parse_split``); as in TFDS, a bound past the split's end is refused.
+(see ``parse_split``); as in TFDS, a bound past the split's end is refused. Beyond TFDS, a
+slice may take every k-th example: ``test[::5]``, ``test[1000::10]``. Files ordered by class
+(``cifar10`` packed from class folders, ``image_folder``) need a step to sample every class:
+their ``test[:2000]`` is the first two classes only, and the image pipeline refuses a slice
+that drops classes of its split.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ from typing import Any
 import numpy as np
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-_SPLIT_RE = re.compile(r"^(?P<base>[\w\-]+)(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)\])?$")
+_SPLIT_RE = re.compile(r"^(?P<base>[\w\-]+)"
+                       r"(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)(:(?P<step>\d*))?\])?$")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 
@@ -49,17 +54,37 @@ DIGITS_SPLIT_SEED = 0
 # ----------------------------------------------------------------------------- splits
 
 
-def parse_split(spec: str) -> tuple[str, str, str]:
-    """``'test[8000:]'`` -> ``('test', '8000', '')``; ``'train'`` -> ``('train', '', '')``.
-
-    Bounds are kept as text (an int or a percentage) until the split's length is known.
-    """
+def _match_split(spec: str) -> re.Match:
     match = _SPLIT_RE.match(spec.strip())
     if match is None:
         raise ValueError(
             f"split {spec!r} is not understood; write a split name, optionally with a slice, "
-            "e.g. 'train', 'test[:8000]', 'test[8000:]' or 'train[:80%]'")
+            "e.g. 'train', 'test[:8000]', 'test[8000:]', 'train[:80%]' or 'test[::5]'")
+    if match["step"] and int(match["step"]) < 1:
+        raise ValueError(f"split {spec!r}: the step (after the second ':') must be an integer "
+                         ">= 1, e.g. 'test[::5]' for every 5th example")
+    return match
+
+
+def parse_split(spec: str) -> tuple[str, str, str]:
+    """``'test[8000:]'`` -> ``('test', '8000', '')``; ``'train'`` -> ``('train', '', '')``.
+
+    Bounds are kept as text (an int or a percentage) until the split's length is known; the
+    step, if any, is checked here and read by ``split_range``.
+    """
+    match = _match_split(spec)
     return match["base"], match["start"] or "", match["stop"] or ""
+
+
+def split_step(spec: str) -> int:
+    """The slice's step: ``'test[::5]'`` -> 5; 1 without one."""
+    return int(_match_split(spec)["step"] or 1)
+
+
+def without_step(spec: str) -> str:
+    """The spec without its step (``'test[:50%:4]'`` -> ``'test[:50%]'``): what TFDS reads."""
+    base, start, stop = parse_split(spec)
+    return f"{base}[{start}:{stop}]" if start or stop else base
 
 
 def _bound(text: str, length: int, spec: str) -> int | None:
@@ -80,7 +105,8 @@ def _bound(text: str, length: int, spec: str) -> int | None:
 def split_range(spec: str, length: int) -> range:
     """The example indices selected by a split spec from a split of ``length`` examples."""
     _, start, stop = parse_split(spec)
-    return range(length)[slice(_bound(start, length, spec), _bound(stop, length, spec))]
+    return range(length)[slice(_bound(start, length, spec), _bound(stop, length, spec),
+                               split_step(spec))]
 
 
 # ----------------------------------------------------------------------------- sources

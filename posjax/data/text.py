@@ -166,7 +166,8 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
     else:   # opening a split reads no records; the first failure is usually the dataset's
         for field in ("train_split", "test_split"):
             try:
-                TfdsTextSource(cfg.tfds_name, cfg[field], cfg.data_dir, cfg.text_key)
+                TfdsTextSource(cfg.tfds_name, sources.without_step(cfg[field]), cfg.data_dir,
+                               cfg.text_key)
             except ValueError as e:
                 out.append(f"data.{field}={cfg[field]!r}: {e}")
                 break
@@ -288,12 +289,13 @@ class TfdsTextSource:
 def open_documents(cfg: ml_collections.ConfigDict, split: str) -> grain.MapDataset:
     """The documents (str) selected by a split spec."""
     if cfg.source == "tfds":
-        return grain.MapDataset.source(TfdsTextSource(cfg.tfds_name, split, cfg.data_dir,
-                                                      cfg.text_key))
+        documents = TfdsTextSource(cfg.tfds_name, sources.without_step(split), cfg.data_dir,
+                                   cfg.text_key)
+        return grain.MapDataset.source(documents)[::sources.split_step(split)]
     base, _, _ = sources.parse_split(split)
     source = TextFileSource(expand_files(cfg.text_files[base]), cfg.doc_boundary)
     selected = sources.split_range(split, len(source))
-    return grain.MapDataset.source(source)[selected.start:selected.stop]
+    return grain.MapDataset.source(source)[selected.start:selected.stop:selected.step]
 
 
 # ----------------------------------------------------------------------------- tokenising

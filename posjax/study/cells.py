@@ -305,6 +305,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
             with out.ignore_type():
                 out.model.image_size = n
                 out.data.image_size = n
+            out.data.test_split = transfer.get("test_split") or out.data.test_split
             return out
 
         entry: dict[str, Any] = {}
@@ -320,7 +321,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
                                                            (grid, grid), prefix, method))
                 p = {**params, "pos_embedding": table}
                 r = stages.run(f"transfer_{new}_{method}", runner.evaluate_params,
-                           at_size(config), p, transfer.get("max_batches", None))
+                               at_size(config), p)
                 if r is not None:
                     entry[method] = r
         elif "tupe_bias" in params.get("encoder", {}):
@@ -328,7 +329,7 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
                                         "column only (init_from resamples it)"}
         else:
             r = stages.run(f"transfer_{new}", runner.evaluate_params, at_size(config),
-                       params, transfer.get("max_batches", None))
+                           params)
             if r is not None:
                 entry["as_is"] = r
         if transfer.get("finetune_steps", 0):

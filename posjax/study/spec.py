@@ -132,6 +132,8 @@ def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.Config
         except KeyError:
             problems.append(f"study.base_overrides[{key!r}]: no such key in the base config "
                             f"{study.base!r}: remove it or fix its name")
+    if kind == "vit" and not problems:
+        problems += image_split_problems(study, base)
     base_model = dict(base.model)
     cls = model_class(kind)
     names: dict[str, int] = {}
@@ -205,6 +207,32 @@ def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.Config
         raise StudyConfigError("the study config cannot run:\n  " + "\n  ".join(problems))
     cells.sort(key=lambda c: (c.seed, names[c.name]))
     return base, cells
+
+
+def image_split_problems(study: ml_collections.ConfigDict,
+                         base: ml_collections.ConfigDict) -> list[str]:
+    """The base config's image splits and the transfer's test split, opened before any cell
+    trains: a bad one (e.g. a slice of a class-ordered file that drops classes) is one line."""
+    from posjax.data import images
+
+    checks = [("data.train_split", "train_split", base.data.train_split),
+              ("data.test_split", "test_split", base.data.test_split)]
+    transfer_split = study.get("transfer", {}).get("test_split")
+    if transfer_split:
+        checks.append(("study.transfer.test_split", "test_split", transfer_split))
+    try:
+        images.validate_data_config(base.data)
+    except ValueError as e:
+        return [f"study.base {study.base!r} with study.base_overrides: {e}"]
+    for name, field, spec in checks:
+        data = base.data.copy_and_resolve_references()
+        data[field] = spec
+        try:
+            source, selected = images.open_split(data, spec)
+            images.check_classes_kept(source, selected, name=name, spec=spec)
+        except ValueError as e:
+            return [str(e) if str(e).startswith(name) else f"{name}={spec!r}: {e}"]
+    return []
 
 
 def baseline(study: ml_collections.ConfigDict) -> str:
