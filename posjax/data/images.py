@@ -14,7 +14,8 @@ path                 folder of the local files (unused for ``digits`` and ``tfds
 tfds_name            TFDS catalog name, e.g. ``cifar10``, ``imagenet2012`` (``tfds`` only)
 data_dir             TFDS data dir ('' = TFDS default ``~/tensorflow_datasets``)
 train_split          split used for ``split='train'``; a name with an optional slice in TFDS
-                     syntax: ``train``, ``test[:8000]``, ``train[:80%]``
+                     syntax, plus a step: ``train``, ``test[:8000]``, ``train[:80%]``,
+                     ``test[::5]``; a slice that drops classes of the split is refused
 test_split           split used for ``split='test'``
 image_size           side S of the square output images (S, S, C); resized bilinearly
 random_resized_crop  train only: crop a random box of area fraction in ``crop_scale`` and
