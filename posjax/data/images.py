@@ -181,14 +181,6 @@ def open_split(cfg: ml_collections.ConfigDict, split: str):
     return source, sources.split_range(split, len(source))
 
 
-def open_checked_split(cfg: ml_collections.ConfigDict, field: str):
-    """``open_split`` of ``cfg[field]`` (``train_split`` or ``test_split``) after
-    ``check_classes_kept``."""
-    source, selected = open_split(cfg, cfg[field])
-    check_classes_kept(source, selected, name=f"data.{field}", spec=cfg[field])
-    return source, selected
-
-
 def check_classes_kept(source, selected: range, *, name: str, spec: str) -> None:
     """Raises one ValueError when the slice ``selected`` of a split drops some of its classes.
 
@@ -380,7 +372,9 @@ def make_image_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_siz
                          f"global batch, so each of the {shard_count} processes needs an even "
                          f"batch, not {batch_size}; make batch_size a multiple of "
                          f"{2 * shard_count}")
-    source, selected = open_checked_split(cfg, f"{split}_split")
+    field = f"{split}_split"
+    source, selected = open_split(cfg, cfg[field])
+    check_classes_kept(source, selected, name=f"data.{field}", spec=cfg[field])
     height, width, channels = source.image_shape
     size = cfg.image_size
     if len(cfg.mean) not in (1, channels) or len(cfg.std) not in (1, channels):

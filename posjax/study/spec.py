@@ -215,20 +215,18 @@ def image_split_problems(study: ml_collections.ConfigDict,
     trains: a bad one (e.g. a slice of a class-ordered file that drops classes) is one line."""
     from posjax.data import images
 
-    checks = [("data.train_split", "train_split", base.data.train_split),
-              ("data.test_split", "test_split", base.data.test_split)]
+    checks = [("data.train_split", base.data.train_split),
+              ("data.test_split", base.data.test_split)]
     transfer_split = study.get("transfer", {}).get("test_split")
     if transfer_split:
-        checks.append(("study.transfer.test_split", "test_split", transfer_split))
+        checks.append(("study.transfer.test_split", transfer_split))
     try:
         images.validate_data_config(base.data)
     except ValueError as e:
         return [f"study.base {study.base!r} with study.base_overrides: {e}"]
-    for name, field, spec in checks:
-        data = base.data.copy_and_resolve_references()
-        data[field] = spec
+    for name, spec in checks:
         try:
-            source, selected = images.open_split(data, spec)
+            source, selected = images.open_split(base.data, spec)
             images.check_classes_kept(source, selected, name=name, spec=spec)
         except ValueError as e:
             return [str(e) if str(e).startswith(name) else f"{name}={spec!r}: {e}"]
