@@ -218,6 +218,50 @@ def dot_flops(inst: Instruction, comps: dict[str, list[Instruction]]) -> float:
     return total
 
 
+DotSignature = tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
+
+
+def dot_signatures(inst: Instruction, comps: dict[str, list[Instruction]]
+                   ) -> list[DotSignature]:
+    """(dtype, lhs dims, rhs dims, (lhs contracting, rhs contracting, lhs batch, rhs batch))
+    of every dot ``inst`` runs (itself or inside its fusion): enough to run the same product
+    alone with ``jax.lax.dot_general``."""
+    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    out = []
+    for i in _inner(inst, comps):
+        if i.opcode != "dot" or len(i.operands) < 2:
+            continue
+        dims = tuple(tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+                     for m in (re.search(rf"{k}=\{{([\d,]*)\}}", i.attrs) for k in (
+                         "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims",
+                         "rhs_batch_dims")))
+        lhs, rhs = (shapes.get(o, "") for o in i.operands[:2])
+        out.append((lhs.split("[", 1)[0], tuple(_dims(lhs)), tuple(_dims(rhs)), dims))
+    return out
+
+
+def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
+                        ) -> tuple[float, float]:
+    """(ms, GFLOP) of the given products, each jitted and run alone on random operands:
+    the sum over distinct products of count × the fastest of ``repeats`` runs (after two
+    warm-up runs). A lower bound on what the same products cost inside the step."""
+    import jax
+    import numpy as np
+    rng = np.random.default_rng(0)
+    numpy_dtype = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}
+    total_ms = total_gflop = 0.0
+    for (dtype, lhs, rhs, (lc, rc, lb, rb)), count in signatures.items():
+        a, b = (jax.numpy.asarray(rng.standard_normal(shape), dtype=numpy_dtype[dtype])
+                for shape in (lhs, rhs))
+        product = jax.jit(lambda x, y, d=((lc, rc), (lb, rb)): jax.lax.dot_general(x, y, d))
+        out = product(a, b).block_until_ready()
+        product(a, b).block_until_ready()
+        best = min(timed(lambda: product(a, b).block_until_ready()) for _ in range(repeats))
+        total_ms += count * best * 1e3
+        total_gflop += count * 2.0 * out.size * math.prod(lhs[d] for d in lc) / 1e9
+    return total_ms, total_gflop
+
+
 def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
     """'YNNPACK' (a library fusion), 'XLA dot' (XLA's own dot thunk: Eigen) or 'convolution'."""
     if any(i.opcode == "convolution" for i in _inner(inst, comps)):
@@ -323,6 +367,7 @@ class Profile:
     wall_ms: list[float]
     note: str = ""
     matmuls: list[list[Any]] = dataclasses.field(default_factory=list)   # see matmul_table
+    products_alone: tuple[float, float] | None = None   # ours: (ms, GFLOP), time_products_alone
 
     @property
     def total_ms(self) -> float:
@@ -363,10 +408,12 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
         rows.append((op, cat, median([r.get(op, 0.0) for r in per_run]) / 1e3, detail))
     comps, _ = parse_hlo(trainer._compiled.as_text())
     groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    signatures: collections.Counter[DotSignature] = collections.Counter()
     for op in {op for r in per_run for op in r}:
         cat, inst = categories.get(op, ("", None))
         if inst is None or cat not in ("dense matmuls", "attention matmuls"):
             continue
+        signatures.update(dot_signatures(inst, comps))
         backward = "transpose(jvp" in inst.op_name or (
             not inst.op_name and "transpose(jvp" in " ".join(i.op_name for i in
                                                            _inner(inst, comps)))
@@ -379,7 +426,7 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
     note = (f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
             + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
     return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
-                   note, matmuls)
+                   note, matmuls, time_products_alone(signatures))
 
 
 def _short_op_name(op_name: str) -> str:
@@ -519,6 +566,39 @@ def matmul_table(profiles: Sequence[Profile]) -> Table:
                   "op (forward and backward together)."])
 
 
+def products_table(profiles: Sequence[Profile]) -> Table:
+    """Per framework: the step's wall time, what its matrix products cost, and the rest.
+
+    Ours: the products alone (``time_products_alone``), since inside the step XLA:CPU runs
+    them overlapped with other thunks and no per-op time is exact. HF: its product ops' self
+    times in the step (they run one after another)."""
+    rows = []
+    for p in profiles:
+        wall = median(p.wall_ms)
+        if p.products_alone is not None:
+            ms, gflop = p.products_alone
+            how = "each product alone"
+        else:
+            ms = sum(p.categories.get(c, 0.0) for c in ("dense matmuls", "attention matmuls",
+                                                        "fused attention"))
+            gflop = sum(r[5] for r in p.matmuls)
+            how = "in the step"
+        rows.append([p.framework, how, wall, ms, gflop, gflop / ms * 1e3 if ms else float("nan"),
+                     wall - ms, 100 * (wall - ms) / wall])
+    notes = ["products = the matrix products only (ours: the distinct dot shapes of the "
+             "optimized HLO, each jitted alone on random operands, fastest of 7 runs, times its "
+             "count; convolutions not included; HF: aten mm/addmm/bmm and SDPA self times, "
+             "GFLOP from torch's counter, SDPA's not counted); rest = wall − products: "
+             "everything else, plus what running inside the step costs the products."]
+    if len(profiles) == 2 and profiles[0].products_alone is not None:
+        best = median(profiles[1].wall_ms) / profiles[0].products_alone[0]
+        notes.append(f"Were everything but the products free and the products as fast as "
+                     f"alone, ours would be {best:.3g}× {profiles[1].framework}'s traced step.")
+    return Table(f"Matrix products alone and the rest: {profiles[0].model}",
+                 ["framework", "products timed", "step wall ms", "products ms",
+                  "products GFLOP", "GFLOP/s", "rest ms", "rest %"], rows, notes)
+
+
 def top_table(profile: Profile) -> Table:
     return Table(f"Largest ops, {profile.framework}: {profile.model}",
                  ["op", "category", "ms per step", "what"],
@@ -580,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiles.append(profile_ours(w, args.steps, options, args.top))
         if "hf" in frameworks and w.hf:
             profiles.append(profile_hf(w, args.steps, args.top))
-        tables = ([breakdown_table(w.name, profiles), matmul_table(profiles)]
+        tables = ([breakdown_table(w.name, profiles), matmul_table(profiles),
+                   products_table(profiles)]
                   + [top_table(pr) for pr in profiles])
         text = "\n".join(t.markdown() for t in tables)
         print(text, flush=True)

@@ -65,6 +65,25 @@ def test_thunk_times_share_wall_time_and_follow_asynchronous_ends():
     assert nested == {"body_add"}
 
 
+def test_products_are_read_from_the_hlo_and_timed_alone():
+    """dot_signatures recovers each dot's operand shapes and dimension numbers, and
+    time_products_alone counts their FLOPs: a batched product, one contracting the first
+    dimension of both operands and a plain one."""
+    def f(q, k, x, w, y, z):
+        return (jax.numpy.einsum("bqd,bkd->bqk", q, k).sum() + (x.T @ w).sum()
+                + jax.numpy.tanh(y @ z).sum())
+    shapes = [(2, 8, 4), (2, 6, 4), (5, 7), (5, 3), (9, 11), (11, 13)]
+    text = jax.jit(f).lower(*(jax.numpy.ones(s) for s in shapes)).compile().as_text()
+    comps, entry = profile.parse_hlo(text)
+    sigs = collections.Counter(s for inst in comps[entry]
+                               for s in profile.dot_signatures(inst, comps))
+    assert sum(sigs.values()) == 3 and all(s[0] == "f32" for s in sigs)
+    assert {(s[1], s[2]) for s in sigs} >= {((5, 7), (5, 3)), ((9, 11), (11, 13))}
+    ms, gflop = profile.time_products_alone(sigs, repeats=2)
+    expected = 2 * (2 * 8 * 6 * 4 + 7 * 3 * 5 + 9 * 13 * 11)
+    assert ms > 0 and gflop == pytest.approx(expected / 1e9)
+
+
 @pytest.mark.parametrize("name, category", [
     ("aten::mm", "dense matmuls"), ("aten::addmm", "dense matmuls"),
     ("aten::bmm", "attention matmuls"),
@@ -93,6 +112,12 @@ def test_profile_subcommand_end_to_end(tmp_path, capsys):
     total = next(ln for ln in text.splitlines() if ln.startswith("| sum of ops |"))
     assert float(total.split("|")[3]) == pytest.approx(100)
     assert re.search(r"### Largest ops, ours: study BERT-A\n\n\| op \|", text)
+    products = {ln.split("|")[1].strip(): [float(v) for v in ln.split("|")[3:9]]
+                for ln in text.split("### Matrix products alone and the rest: study BERT-A")[1]
+                .splitlines() if ln.startswith(("| ours |", "| hf |"))}
+    for wall, ms, gflop, rate, rest, rest_pct in products.values():
+        assert ms > 0 and gflop > 0 and rest == pytest.approx(wall - ms, abs=0.06)
+    assert products["ours"][2] == pytest.approx(products["hf"][2], rel=0.1)   # same FLOPs
     assert "Load average before / after" in text
 
 
