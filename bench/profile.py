@@ -15,10 +15,15 @@ same categories by its name.
 Both give each op wall time: torch's ops run one after another (each using the intra-op
 threads), and their self times add up to the step; XLA's thunks may be in flight two or
 three at a time (one per core, plus XLA's own dots, which finish asynchronously on Eigen's
-pool), so each instant is shared equally among the thunks in flight (``thunk_times``). A
-category's ms is thus comparable across the frameworks, and the categories of one step add
-up to about its wall time (the table's last row). Each category's ms is the median over
-the traced steps; tracing costs a few per cent of the step.
+pool), so each instant is shared equally among the thunks in flight (``thunk_times``): the
+categories of one step add up to about its wall time (the table's last row). Each category's
+ms is the median over the traced steps; tracing costs a few per cent of the step. On our side
+that split is approximate: an elementwise thunk that runs beside an asynchronous dot gets
+half of that time, though most of it is the dot's.
+
+So each model also gets a split that does not depend on it: every distinct matrix product of
+our optimized HLO run alone (``dot_signatures``, ``time_products_alone``) against the step's
+untraced wall time, and HF's product ops against its own (``products_table``).
 """
 from __future__ import annotations
 
