@@ -207,31 +207,19 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def dot_flops(inst: Instruction, comps: dict[str, list[Instruction]]) -> float:
-    """2 · multiply-adds of the dots ``inst`` runs (itself or inside its fusion); 0 for none
-    (convolutions are not counted)."""
-    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
-    total = 0.0
-    for i in _inner(inst, comps):
-        if i.opcode != "dot" or not i.operands:
-            continue
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
-        lhs = _dims(shapes.get(i.operands[0], ""))
-        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if (
-            contracting and lhs) else 0
-        total += 2.0 * math.prod(_dims(i.shape)) * k
-    return total
-
-
 DotSignature = tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 
-def dot_signatures(inst: Instruction, comps: dict[str, list[Instruction]]
-                   ) -> list[DotSignature]:
+def shape_index(comps: dict[str, list[Instruction]]) -> dict[str, str]:
+    """{instruction name: result type} over the whole module (names are module-unique)."""
+    return {i.name: i.shape for insts in comps.values() for i in insts}
+
+
+def dot_signatures(inst: Instruction, comps: dict[str, list[Instruction]],
+                   shapes: dict[str, str]) -> list[DotSignature]:
     """(dtype, lhs dims, rhs dims, (lhs contracting, rhs contracting, lhs batch, rhs batch))
     of every dot ``inst`` runs (itself or inside its fusion): enough to run the same product
-    alone with ``jax.lax.dot_general``."""
-    shapes = {i.name: i.shape for insts in comps.values() for i in insts}
+    alone with ``jax.lax.dot_general``. ``shapes``: ``shape_index`` of the module."""
     out = []
     for i in _inner(inst, comps):
         if i.opcode != "dot" or len(i.operands) < 2:
@@ -243,6 +231,13 @@ def dot_signatures(inst: Instruction, comps: dict[str, list[Instruction]]
         lhs, rhs = (shapes.get(o, "") for o in i.operands[:2])
         out.append((lhs.split("[", 1)[0], tuple(_dims(lhs)), tuple(_dims(rhs)), dims))
     return out
+
+
+def signature_flops(signature: DotSignature) -> float:
+    """2 · multiply-adds of one product: every lhs element meets every rhs element that is
+    neither contracted nor a batch dimension."""
+    _, lhs, rhs, (_, rc, _, rb) = signature
+    return 2.0 * math.prod(lhs) * math.prod(n for d, n in enumerate(rhs) if d not in rc + rb)
 
 
 def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
@@ -259,11 +254,10 @@ def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
         a, b = (jax.numpy.asarray(rng.standard_normal(shape), dtype=numpy_dtype[dtype])
                 for shape in (lhs, rhs))
         product = jax.jit(lambda x, y, d=((lc, rc), (lb, rb)): jax.lax.dot_general(x, y, d))
-        out = product(a, b).block_until_ready()
-        product(a, b).block_until_ready()
+        product(a, b).block_until_ready(), product(a, b).block_until_ready()
         best = min(timed(lambda: product(a, b).block_until_ready()) for _ in range(repeats))
         total_ms += count * best * 1e3
-        total_gflop += count * 2.0 * out.size * math.prod(lhs[d] for d in lc) / 1e9
+        total_gflop += count * signature_flops((dtype, lhs, rhs, (lc, rc, lb, rb))) / 1e9
     return total_ms, total_gflop
 
 
@@ -414,20 +408,22 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
         detail = "" if inst is None else f"{inst.shape} {_short_op_name(inst.op_name)}"
         rows.append((op, cat, median([r.get(op, 0.0) for r in per_run]) / 1e3, detail))
     comps, _ = parse_hlo(trainer._compiled.as_text())
+    shapes = shape_index(comps)
     groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     signatures: collections.Counter[DotSignature] = collections.Counter()
     for op in {op for r in per_run for op in r}:
         cat, inst = categories.get(op, ("", None))
         if inst is None or cat not in ("dense matmuls", "attention matmuls"):
             continue
-        signatures.update(dot_signatures(inst, comps))
+        products = dot_signatures(inst, comps, shapes)
+        signatures.update(products)
         backward = "transpose(jvp" in inst.op_name or (
             not inst.op_name and "transpose(jvp" in " ".join(i.op_name for i in
                                                            _inner(inst, comps)))
         entry = groups[(cat, matmul_kind(inst, comps), "backward" if backward else "forward")]
         entry[0] += 1
         entry[1] += median([r.get(op, 0.0) for r in per_run]) / 1e3
-        entry[2] += dot_flops(inst, comps) / 1e9
+        entry[2] += sum(map(signature_flops, products)) / 1e9
     matmuls = [[c, k, pss, n, ms, gf, gf / ms * 1e3 if ms and gf else float("nan")]
                for (c, k, pss), (n, ms, gf) in sorted(groups.items())]
     note = (f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"

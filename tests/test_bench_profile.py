@@ -76,11 +76,14 @@ def test_products_are_read_from_the_hlo_and_timed_alone():
     text = jax.jit(f).lower(*(jax.numpy.ones(s) for s in shapes)).compile().as_text()
     comps, entry = profile.parse_hlo(text)
     sigs = collections.Counter(s for inst in comps[entry]
-                               for s in profile.dot_signatures(inst, comps))
+                               for s in profile.dot_signatures(inst, comps,
+                                                               profile.shape_index(comps)))
     assert sum(sigs.values()) == 3 and all(s[0] == "f32" for s in sigs)
     assert {(s[1], s[2]) for s in sigs} >= {((5, 7), (5, 3)), ((9, 11), (11, 13))}
     ms, gflop = profile.time_products_alone(sigs, repeats=2)
     expected = 2 * (2 * 8 * 6 * 4 + 7 * 3 * 5 + 9 * 13 * 11)
+    assert sorted(map(profile.signature_flops, sigs)) == [2 * 7 * 3 * 5, 2 * 2 * 8 * 6 * 4,
+                                                          2 * 9 * 13 * 11]
     assert ms > 0 and gflop == pytest.approx(expected / 1e9)
 
 
