@@ -17,7 +17,8 @@ threads), and their self times add up to the step; XLA's thunks may be in flight
 three at a time (one per core, plus XLA's own dots, which finish asynchronously on Eigen's
 pool), so each instant is shared equally among the thunks in flight (``thunk_times``): the
 categories of one step add up to about its wall time (the table's last row). Each category's
-ms is the median over the traced steps; tracing costs a few per cent of the step. On our side
+ms is the median over the traced steps (ours: the fastest of a few more, since the trace's
+buffers make an occasional traced step page-fault); tracing costs a few per cent of the step. On our side
 that split is approximate: an elementwise thunk that runs beside an asynchronous dot gets
 half of that time, though most of it is the dot's.
 
@@ -82,6 +83,7 @@ class Instruction:
     kind: str = ""
     operands: list[str] = dataclasses.field(default_factory=list)
     attrs: str = ""
+    library: str = ""   # a library fusion's kind in its backend config: "ynn", "onednn", ...
 
 
 def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -105,9 +107,11 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
         op = _OP_NAME.search(rest)
         kind = re.search(r"kind=(k\w+)", rest)
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        library = re.search(r'"kind":"__(\w+?)_fusion"', rest)
         current.append(Instruction(name, opcode, shape, op.group(1) if op else "",
                                    _CALLS.findall(rest), kind.group(1) if kind else "",
-                                   operands, rest.split("metadata=", 1)[0]))
+                                   operands, rest.split("metadata=", 1)[0],
+                                   library.group(1) if library else ""))
     return computations, entry
 
 
@@ -262,10 +266,14 @@ def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
 
 
 def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
-    """'YNNPACK' (a library fusion), 'XLA dot' (XLA's own dot thunk: Eigen) or 'convolution'."""
+    """'YNNPACK' or 'oneDNN' (a library fusion; oneDNN only with the compile option
+    ``xla_cpu_experimental_onednn_fusion_type``), 'XLA dot' (XLA's own dot thunk: Eigen) or
+    'convolution'."""
     if any(i.opcode == "convolution" for i in _inner(inst, comps)):
         return "convolution"
-    return "YNNPACK" if inst.kind == "kCustom" else "XLA dot"
+    if inst.kind != "kCustom":
+        return "XLA dot"
+    return "oneDNN" if inst.library == "onednn" else "YNNPACK"
 
 
 def categorize_module(text: str) -> tuple[dict[str, tuple[str, Instruction]], str]:
@@ -367,6 +375,7 @@ class Profile:
     note: str = ""
     matmuls: list[list[Any]] = dataclasses.field(default_factory=list)   # see matmul_table
     products_alone: tuple[float, float] | None = None   # ours: (ms, GFLOP), time_products_alone
+    attention_alone: tuple[float, float] | None = None  # the same, attention products only
     untraced_ms: list[float] = dataclasses.field(default_factory=list)   # steps without the tracer
 
     @property
@@ -374,9 +383,16 @@ class Profile:
         return sum(self.categories.values())
 
 
+# Steps traced beyond those kept, the slowest ones dropped: the trace buffers grow the heap, and
+# an occasional traced step then page-faults (ViT-S/16 on an idle Xeon: one of three traced
+# steps took 233,000 minor faults and 2.3x its time; the first model of another run, two).
+_EXTRA_TRACED_STEPS = 2
+
+
 def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | None = None,
                  top: int = 10) -> Profile:
-    """Trace ``steps`` steps of our compiled step (after two warm-up steps)."""
+    """Trace ``steps`` steps of our compiled step (after two warm-up steps): the fastest
+    ``steps`` of ``steps + _EXTRA_TRACED_STEPS`` traced ones."""
     import jax
     from bench.workloads import OursTrainer
     trainer = OursTrainer(workload, compiler_options=compiler_options)
@@ -386,11 +402,16 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
     with tempfile.TemporaryDirectory(prefix="posjax_profile_") as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         try:
-            wall = [timed(trainer.step) * 1e3 for _ in range(steps)]
+            wall = [timed(trainer.step) * 1e3 for _ in range(steps + _EXTRA_TRACED_STEPS)]
         finally:
             jax.profiler.stop_trace()
         per_run, nested = thunk_times(_trace_events(pathlib.Path(tmp)), module)
-    per_run = [r for r in per_run if r][-steps:]
+    per_run = [r for r in per_run if r][-len(wall):]
+    if len(per_run) == len(wall):    # the ``steps`` fastest traced steps, in order
+        keep = sorted(sorted(range(len(wall)), key=wall.__getitem__)[:steps])
+        per_run, wall = [per_run[i] for i in keep], [wall[i] for i in keep]
+    else:
+        per_run, wall = per_run[-steps:], wall[-steps:]
     if not per_run:
         raise RuntimeError(f"the trace holds no thunk of module {module!r}")
     per_step = []
@@ -410,13 +431,13 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
     comps, _ = parse_hlo(trainer._compiled.as_text())
     shapes = shape_index(comps)
     groups: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    signatures: collections.Counter[DotSignature] = collections.Counter()
+    signatures = {c: collections.Counter() for c in ("dense matmuls", "attention matmuls")}
     for op in {op for r in per_run for op in r}:
         cat, inst = categories.get(op, ("", None))
         if inst is None or cat not in ("dense matmuls", "attention matmuls"):
             continue
         products = dot_signatures(inst, comps, shapes)
-        signatures.update(products)
+        signatures[cat].update(products)
         backward = "transpose(jvp" in inst.op_name or (
             not inst.op_name and "transpose(jvp" in " ".join(i.op_name for i in
                                                            _inner(inst, comps)))
@@ -426,10 +447,14 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
         entry[2] += sum(map(signature_flops, products)) / 1e9
     matmuls = [[c, k, pss, n, ms, gf, gf / ms * 1e3 if ms and gf else float("nan")]
                for (c, k, pss), (n, ms, gf) in sorted(groups.items())]
-    note = (f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
+    note = (f"the fastest {len(wall)} of {steps + _EXTRA_TRACED_STEPS} traced steps; "
+            f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
             + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
+    dense, attention = (time_products_alone(signatures[c])
+                        for c in ("dense matmuls", "attention matmuls"))
     return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
-                   note, matmuls, time_products_alone(signatures), untraced)
+                   note, matmuls, products_alone=(dense[0] + attention[0], dense[1] + attention[1]),
+                   attention_alone=attention, untraced_ms=untraced)
 
 
 def _short_op_name(op_name: str) -> str:
@@ -474,8 +499,15 @@ def torch_category(name: str) -> str:
     return "other elementwise"
 
 
+# Profiled steps thrown away before those kept: the process's first torch.profiler sessions
+# ran the step at half speed (BERT-A on an idle Xeon: 2,345 ms traced against 1,064 untraced,
+# every session of the first model profiled; the next model's were not slowed).
+_HF_PROFILER_WARMUP = 2
+
+
 def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
-    """``torch.profiler`` over ``steps`` steps of the HF counterpart (after two warm-ups)."""
+    """``torch.profiler`` over ``steps`` steps of the HF counterpart (after two warm-up steps
+    and ``_HF_PROFILER_WARMUP`` profiled ones thrown away)."""
     import torch
     from bench.workloads import HFTrainer
     trainer = HFTrainer(workload)
@@ -485,10 +517,13 @@ def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
     per_op_steps: list[dict[str, float]] = []
     op_flops: dict[str, tuple[int, float]] = {}
     wall = []
-    for _ in range(steps):   # one profiler per step: medians over steps, as for ours
+    for i in range(_HF_PROFILER_WARMUP + steps):   # one profiler per step, as for ours
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     with_flops=True) as prof:
-            wall.append(timed(trainer.step) * 1e3)
+            ms = timed(trainer.step) * 1e3
+        if i < _HF_PROFILER_WARMUP:
+            continue
+        wall.append(ms)
         ops: dict[str, float] = collections.defaultdict(float)
         for avg in prof.key_averages():
             ops[avg.key] += avg.self_cpu_time_total / 1e3
@@ -564,10 +599,10 @@ def matmul_table(profiles: Sequence[Profile]) -> Table:
     return Table(f"Matrix products: {profiles[0].model}",
                  ["framework", "category", "kernel", "pass", "ops", "ms per step",
                   "GFLOP per step", "GFLOP/s"], rows,
-                 ["ours: kernel = how XLA:CPU runs the product (a YNNPACK library fusion or "
-                  "its own dot thunk), GFLOP counted from the optimized HLO's dot shapes "
-                  "(convolutions: not counted); hf: torch.profiler's FLOP count of each aten "
-                  "op (forward and backward together)."])
+                 ["ours: kernel = how XLA:CPU runs the product (a YNNPACK or oneDNN library "
+                  "fusion, or its own dot thunk), GFLOP counted from the optimized HLO's dot "
+                  "shapes (convolutions: not counted); hf: torch.profiler's FLOP count of each "
+                  "aten op (forward and backward together)."])
 
 
 def products_table(profiles: Sequence[Profile]) -> Table:
@@ -580,19 +615,23 @@ def products_table(profiles: Sequence[Profile]) -> Table:
     for p in profiles:
         wall = min(p.untraced_ms)
         if p.products_alone is not None:
-            ms, gflop = p.products_alone
+            (ms, gflop), (att_ms, att_gflop) = p.products_alone, p.attention_alone or (0.0, 0.0)
             how = "each product alone"
         else:
-            ms = sum(p.categories.get(c, 0.0) for c in ("dense matmuls", "attention matmuls",
-                                                        "fused attention"))
+            att_ms = sum(p.categories.get(c, 0.0) for c in ("attention matmuls",
+                                                            "fused attention"))
+            ms = att_ms + p.categories.get("dense matmuls", 0.0)
             gflop = sum(r[5] for r in p.matmuls)
+            att_gflop = sum(r[5] for r in p.matmuls if r[0] == "attention matmuls")
             how = "in the step"
-        rows.append([p.framework, how, wall, ms, gflop, gflop / ms * 1e3 if ms else float("nan"),
-                     wall - ms, 100 * (wall - ms) / wall])
+        rows.append([p.framework, how, wall, ms, gflop, _rate(gflop, ms), att_ms,
+                     _rate(att_gflop, att_ms), wall - ms, 100 * (wall - ms) / wall])
     notes = ["products = the matrix products only (ours: the distinct dot shapes of the "
              "optimized HLO, each jitted alone on random operands, fastest of 7 runs, times its "
              "count; convolutions not included; HF: aten mm/addmm/bmm and SDPA self times, "
-             "GFLOP from torch's counter, SDPA's not counted); step wall = the fastest of "
+             "GFLOP from torch's counter, SDPA's not counted); attention = the products of "
+             "queries with keys and of weights with values (with HF's SDPA, its whole fused "
+             "op: softmax included, FLOPs not counted); step wall = the fastest of "
              "the untraced steps timed before tracing (at least 5); rest = wall − products: "
              "everything else, plus what running inside the step costs the products."]
     if len(profiles) == 2 and profiles[0].products_alone is not None:
@@ -602,7 +641,13 @@ def products_table(profiles: Sequence[Profile]) -> Table:
                      "(its step wall / our products).")
     return Table(f"Matrix products alone and the rest: {profiles[0].model}",
                  ["framework", "products timed", "fastest step ms (untraced)", "products ms",
-                  "products GFLOP", "GFLOP/s", "rest ms", "rest %"], rows, notes)
+                  "products GFLOP", "GFLOP/s", "of which attention ms", "attention GFLOP/s",
+                  "rest ms", "rest %"], rows, notes)
+
+
+def _rate(gflop: float, ms: float) -> float:
+    """GFLOP/s, nan where either is unknown (zero)."""
+    return gflop / ms * 1e3 if ms and gflop else float("nan")
 
 
 def top_table(profile: Profile) -> Table:

@@ -87,6 +87,19 @@ def test_products_are_read_from_the_hlo_and_timed_alone():
     assert ms > 0 and gflop == pytest.approx(expected / 1e9)
 
 
+@pytest.mark.parametrize("options, kind", [
+    ({}, "YNNPACK"),
+    ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}, "XLA dot"),
+    ({"xla_cpu_use_onednn": True,
+      "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}, "oneDNN")])
+def test_products_are_named_by_the_library_that_runs_them(options, kind):
+    x = jax.numpy.ones((64, 32), "float32")
+    text = jax.jit(lambda a, b: a @ b).lower(x, x.T).compile(options).as_text()
+    comps, entry = profile.parse_hlo(text)
+    products = [i for i in comps[entry] if any(j.opcode == "dot" for j in profile._inner(i, comps))]
+    assert [profile.matmul_kind(i, comps) for i in products] == [kind]
+
+
 @pytest.mark.parametrize("name, category", [
     ("aten::mm", "dense matmuls"), ("aten::addmm", "dense matmuls"),
     ("aten::bmm", "attention matmuls"),
@@ -115,12 +128,14 @@ def test_profile_subcommand_end_to_end(tmp_path, capsys):
     total = next(ln for ln in text.splitlines() if ln.startswith("| sum of ops |"))
     assert float(total.split("|")[3]) == pytest.approx(100)
     assert re.search(r"### Largest ops, ours: study BERT-A\n\n\| op \|", text)
-    products = {ln.split("|")[1].strip(): [float(v) for v in ln.split("|")[3:9]]
+    assert "ours: median over 2 traced steps; the fastest 2 of 4 traced steps;" in text
+    products = {ln.split("|")[1].strip(): [float(v) for v in ln.split("|")[3:11]]
                 for ln in text.split("### Matrix products alone and the rest: study BERT-A")[1]
                 .splitlines() if ln.startswith(("| ours |", "| hf |"))}
-    for wall, ms, gflop, rate, rest, rest_pct in products.values():
+    for wall, ms, gflop, rate, attention_ms, _, rest, rest_pct in products.values():
         rounding = 0.005 * (abs(wall) + abs(ms) + abs(rest))    # 3 significant digits each
         assert ms > 0 and gflop > 0 and rest == pytest.approx(wall - ms, abs=rounding)
+        assert 0 < attention_ms < ms
     assert products["ours"][2] == pytest.approx(products["hf"][2], rel=0.1)   # same FLOPs
     assert "Load average before / after" in text
 
