@@ -330,3 +330,32 @@ def test_bf16_forward_is_close_to_fp32(name):
     worst = np.abs(bf16 - fp32).max() / np.abs(fp32).max()
     print(f"[bf16] {name}: relative L2 error {relative:.3e}, max abs / max |fp32| {worst:.3e}")
     assert relative <= 0.03 and worst <= 0.1
+
+
+@pytest.mark.parametrize("offset", [0.0, 10.0])
+def test_layer_norm_equals_flax_in_values_and_gradients(offset):
+    """posjax's LayerNorm (its backward written out) against nn.LayerNorm: same parameters,
+    same outputs and gradients to fp32 rounding, also for inputs far from zero mean; bf16 in,
+    bf16 out."""
+    rng = np.random.default_rng(0)
+    x = jax.numpy.asarray(rng.standard_normal((3, 5, 48)) * 2.0 + offset, "float32")
+    ours = attention_lib.layer_norm(1e-6, name="norm", dtype=jax.numpy.float32)
+    flax_ln = nn.LayerNorm(epsilon=1e-6)
+    params = nn.meta.unbox(ours.init(jax.random.key(0), x))
+    assert jax.tree.map(np.shape, params) == jax.tree.map(
+        np.shape, flax_ln.init(jax.random.key(0), x))
+    params = jax.tree.map(lambda p: p + 0.3 * rng.standard_normal(p.shape), params)
+    weights = jax.numpy.asarray(rng.standard_normal(x.shape), "float32")
+
+    def loss(module, p, x):
+        return (jax.numpy.tanh(module.apply(p, x)) * weights).sum()
+
+    for a, b in zip(jax.tree.leaves(jax.value_and_grad(functools.partial(loss, ours),
+                                                       argnums=(0, 1))(params, x)),
+                    jax.tree.leaves(jax.value_and_grad(functools.partial(loss, flax_ln),
+                                                       argnums=(0, 1))(params, x))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()))
+    half = attention_lib.layer_norm(1e-6, name="norm", dtype=jax.numpy.bfloat16)
+    y = half.apply(params, x.astype(jax.numpy.bfloat16))
+    assert y.dtype == jax.numpy.bfloat16
+    np.testing.assert_allclose(y.astype("float32"), flax_ln.apply(params, x), atol=0.05)

@@ -82,11 +82,52 @@ def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name:
                  kernel_init=kernel_init, name=name)
 
 
-def layer_norm(eps: float, *, name: str, dtype: jnp.dtype) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=eps, dtype=dtype, param_dtype=jnp.float32, name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("norm",)))
+@jax.custom_vjp
+def normalize(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm over the last axis, fp32: (x − μ)/√(σ² + ε)·scale + bias, σ² = E[x²] − μ²
+    (Flax's fast variance). x (..., H) fp32; scale, bias (H,)."""
+    return _normalize_fwd(x, scale, bias, eps)[0]
+
+
+def _normalize_fwd(x, scale, bias, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.maximum((x * x).mean(-1, keepdims=True) - mean * mean, 0.0)
+    inv = jax.lax.rsqrt(var + eps)
+    xhat = (x - mean) * inv
+    return xhat * scale + bias, (xhat, inv, scale)
+
+
+def _normalize_bwd(res, g):
+    """dx = (ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))/σ with ĝ = g·scale; dscale = Σ g·x̂, dbias = Σ g."""
+    xhat, inv, scale = res
+    gs = g * scale
+    dx = inv * (gs - gs.mean(-1, keepdims=True) - xhat * (gs * xhat).mean(-1, keepdims=True))
+    rows = tuple(range(g.ndim - 1))
+    return dx, (g * xhat).sum(rows), g.sum(rows), None
+
+
+normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with Flax's parameters (``scale``, ``bias``) and statistics, its backward
+    written out (``normalize``). x (..., H) -> (..., H) in ``dtype``."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        h = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(
+            nn.initializers.ones_init(), ("norm",)), (h,), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(
+            nn.initializers.zeros_init(), ("norm",)), (h,), jnp.float32)
+        return normalize(x.astype(jnp.float32), scale, bias, self.eps).astype(self.dtype)
+
+
+def layer_norm(eps: float, *, name: str, dtype: jnp.dtype) -> LayerNorm:
+    return LayerNorm(eps, dtype, name=name)
 
 
 def attention_weights(logits: Array, mask: Array | None) -> Array:
