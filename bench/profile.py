@@ -18,9 +18,9 @@ three at a time (one per core, plus XLA's own dots, which finish asynchronously 
 pool), so each instant is shared equally among the thunks in flight (``thunk_times``): the
 categories of one step add up to about its wall time (the table's last row). Each category's
 ms is the median over the traced steps (ours: the fastest of a few more, since the trace's
-buffers make an occasional traced step page-fault); tracing costs a few per cent of the step. On our side
-that split is approximate: an elementwise thunk that runs beside an asynchronous dot gets
-half of that time, though most of it is the dot's.
+buffers make an occasional traced step page-fault); tracing costs a few per cent of the step.
+On our side that split is approximate: an elementwise thunk that runs beside an asynchronous
+dot gets half of that time, though most of it is the dot's.
 
 So each model also gets a split that does not depend on it: every distinct matrix product of
 our optimized HLO run alone (``dot_signatures``, ``time_products_alone``) against the step's
@@ -453,8 +453,8 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
     dense, attention = (time_products_alone(signatures[c])
                         for c in ("dense matmuls", "attention matmuls"))
     return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
-                   note, matmuls, products_alone=(dense[0] + attention[0], dense[1] + attention[1]),
-                   attention_alone=attention, untraced_ms=untraced)
+                   note, matmuls, untraced_ms=untraced, attention_alone=attention,
+                   products_alone=(dense[0] + attention[0], dense[1] + attention[1]))
 
 
 def _short_op_name(op_name: str) -> str:

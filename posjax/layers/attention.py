@@ -5,6 +5,7 @@ differ only in which terms they add (DESIGN.md §2). Logits, masking and softmax
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -82,14 +83,15 @@ def dense(features: int | Sequence[int], names: tuple[str | None, ...], *, name:
                  kernel_init=kernel_init, name=name)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def normalize(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     """LayerNorm over the last axis, fp32: (x − μ)/√(σ² + ε)·scale + bias, σ² = E[x²] − μ²
     (Flax's fast variance). x (..., H) fp32; scale, bias (H,)."""
     return _normalize_fwd(x, scale, bias, eps)[0]
 
 
-def _normalize_fwd(x, scale, bias, eps):
+def _normalize_fwd(x: Array, scale: Array, bias: Array, eps: float
+                   ) -> tuple[Array, tuple[Array, Array, Array]]:
     mean = x.mean(-1, keepdims=True)
     var = jnp.maximum((x * x).mean(-1, keepdims=True) - mean * mean, 0.0)
     inv = jax.lax.rsqrt(var + eps)
@@ -97,13 +99,15 @@ def _normalize_fwd(x, scale, bias, eps):
     return xhat * scale + bias, (xhat, inv, scale)
 
 
-def _normalize_bwd(res, g):
+def _normalize_bwd(eps: float, res: tuple[Array, Array, Array], g: Array
+                   ) -> tuple[Array, Array, Array]:
     """dx = (ĝ − mean(ĝ) − x̂·mean(ĝ·x̂))/σ with ĝ = g·scale; dscale = Σ g·x̂, dbias = Σ g."""
+    del eps
     xhat, inv, scale = res
     gs = g * scale
     dx = inv * (gs - gs.mean(-1, keepdims=True) - xhat * (gs * xhat).mean(-1, keepdims=True))
     rows = tuple(range(g.ndim - 1))
-    return dx, (g * xhat).sum(rows), g.sum(rows), None
+    return dx, (g * xhat).sum(rows), g.sum(rows)
 
 
 normalize.defvjp(_normalize_fwd, _normalize_bwd)
