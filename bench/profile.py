@@ -407,11 +407,12 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
             jax.profiler.stop_trace()
         per_run, nested = thunk_times(_trace_events(pathlib.Path(tmp)), module)
     per_run = [r for r in per_run if r][-len(wall):]
-    if len(per_run) == len(wall):    # the ``steps`` fastest traced steps, in order
-        keep = sorted(sorted(range(len(wall)), key=wall.__getitem__)[:steps])
-        per_run, wall = [per_run[i] for i in keep], [wall[i] for i in keep]
+    traced = len(wall)
+    if len(per_run) == traced:    # the ``steps`` fastest traced steps, in order
+        keep = sorted(sorted(range(traced), key=wall.__getitem__)[:steps])
+        per_run, wall, kept = [per_run[i] for i in keep], [wall[i] for i in keep], "fastest"
     else:
-        per_run, wall = per_run[-steps:], wall[-steps:]
+        per_run, wall, kept = per_run[-steps:], wall[-steps:], "last"
     if not per_run:
         raise RuntimeError(f"the trace holds no thunk of module {module!r}")
     per_step = []
@@ -445,9 +446,9 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
         entry[0] += 1
         entry[1] += median([r.get(op, 0.0) for r in per_run]) / 1e3
         entry[2] += sum(map(signature_flops, products)) / 1e9
-    matmuls = [[c, k, pss, n, ms, gf, gf / ms * 1e3 if ms and gf else float("nan")]
+    matmuls = [[c, k, pss, n, ms, gf, _rate(gf, ms)]
                for (c, k, pss), (n, ms, gf) in sorted(groups.items())]
-    note = (f"the fastest {len(wall)} of {steps + _EXTRA_TRACED_STEPS} traced steps; "
+    note = (f"the {kept} {len(wall)} of {traced} traced steps; "
             f"{len(categories)} HLO instructions, {len(per_run[0])} thunks per step"
             + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
     dense, attention = (time_products_alone(signatures[c])
@@ -547,7 +548,7 @@ def profile_hf(workload: Any, steps: int, top: int = 10) -> Profile:
             continue
         ms = median([s.get(name, 0.0) for s in per_op_steps])
         matmuls.append([torch_category(name), name, "both", count, ms, gflop,
-                        gflop / ms * 1e3 if ms else float("nan")])
+                        _rate(gflop, ms)])
     return Profile("hf", workload.name, {k: v for k, v in cats.items() if v}, rows, wall, note,
                    matmuls, untraced_ms=untraced)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.layers import blocked, positions
-from posjax.layers.attention import DEFAULT_INIT, Dense, dense, layer_norm
+from posjax.layers.attention import DEFAULT_INIT, Dense, LayerNorm, dense, layer_norm
 
 Array = jax.Array
 
@@ -124,9 +124,8 @@ class TupePositionBias(nn.Module):
         if not self.has_variable("params", "position_embeddings"):   # init: __call__ creates
             self(1)
         params = nn.unbox(self.variables["params"])
-        p = nn.LayerNorm(epsilon=self.eps, dtype=jnp.float32, param_dtype=jnp.float32,
-                         parent=None).apply({"params": params["norm"]},
-                                            params["position_embeddings"][: length + 1])
+        p = LayerNorm(self.eps, jnp.float32, parent=None).apply(
+            {"params": params["norm"]}, params["position_embeddings"][: length + 1])
         hd = (self.num_heads, self.head_dim)
 
         def project(name: str, rows: Array = p) -> Array:
