@@ -24,7 +24,9 @@ dot gets half of that time, though most of it is the dot's.
 
 So each model also gets a split that does not depend on it: every distinct matrix product of
 our optimized HLO run alone (``dot_signatures``, ``time_products_alone``) against the step's
-untraced wall time, and HF's product ops against its own (``products_table``).
+untraced wall time, and HF's product ops against its own (``products_table``); with torch
+installed, the same products run alone by torch too (``time_products_torch``), so the two
+libraries are compared on the same work.
 """
 from __future__ import annotations
 
@@ -265,6 +267,40 @@ def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
     return total_ms, total_gflop
 
 
+def canonical_product(signature: DotSignature) -> tuple[int, int, int, int]:
+    """(batch, M, K, N) of a product: the batch, lhs-free, contracted and rhs-free sizes, i.e.
+    the same product as ``batch`` row-major (M, K)·(K, N) matrix products."""
+    _, lhs, rhs, (lc, rc, lb, rb) = signature
+    batch, k = math.prod(lhs[d] for d in lb), math.prod(lhs[d] for d in lc)
+    m = math.prod(n for d, n in enumerate(lhs) if d not in lc + lb)
+    return batch, m, k, math.prod(n for d, n in enumerate(rhs) if d not in rc + rb)
+
+
+def time_products_torch(signatures: dict[DotSignature, int], repeats: int = 7
+                        ) -> tuple[float, float] | None:
+    """``time_products_alone`` for torch's kernels: each product as ``torch.matmul`` of
+    contiguous (batch, M, K) and (batch, K, N) operands (``canonical_product``), alone, on
+    the intra-op threads. The same FLOPs as ours; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch_dtype = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
+                   "bf16": torch.bfloat16}
+    generator = torch.Generator().manual_seed(0)
+    total_ms = total_gflop = 0.0
+    for signature, count in signatures.items():
+        batch, m, k, n = canonical_product(signature)
+        lead = (batch,) if batch > 1 else ()
+        a, b = (torch.randn(lead + shape, generator=generator).to(torch_dtype[signature[0]])
+                for shape in ((m, k), (k, n)))
+        torch.matmul(a, b), torch.matmul(a, b)
+        best = min(timed(lambda: torch.matmul(a, b)) for _ in range(repeats))
+        total_ms += count * best * 1e3
+        total_gflop += count * signature_flops(signature) / 1e9
+    return total_ms, total_gflop
+
+
 def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
     """'YNNPACK' or 'oneDNN' (a library fusion; oneDNN only with the compile option
     ``xla_cpu_experimental_onednn_fusion_type``), 'XLA dot' (XLA's own dot thunk: Eigen) or
@@ -376,6 +412,8 @@ class Profile:
     matmuls: list[list[Any]] = dataclasses.field(default_factory=list)   # see matmul_table
     products_alone: tuple[float, float] | None = None   # ours: (ms, GFLOP), time_products_alone
     attention_alone: tuple[float, float] | None = None  # the same, attention products only
+    torch_alone: tuple[float, float] | None = None      # ours' products by torch, alone
+    torch_attention_alone: tuple[float, float] | None = None   # its attention products
     untraced_ms: list[float] = dataclasses.field(default_factory=list)   # steps without the tracer
 
     @property
@@ -453,9 +491,14 @@ def profile_ours(workload: Any, steps: int, compiler_options: dict[str, Any] | N
             + (f"; {len(nested)} thunks nested in loops left out" if nested else ""))
     dense, attention = (time_products_alone(signatures[c])
                         for c in ("dense matmuls", "attention matmuls"))
+    torch_dense, torch_attention = (time_products_torch(signatures[c])
+                                    for c in ("dense matmuls", "attention matmuls"))
     return Profile("ours", workload.name, {k: v for k, v in cats.items() if v}, rows, wall,
                    note, matmuls, untraced_ms=untraced, attention_alone=attention,
-                   products_alone=(dense[0] + attention[0], dense[1] + attention[1]))
+                   products_alone=(dense[0] + attention[0], dense[1] + attention[1]),
+                   torch_attention_alone=torch_attention,
+                   torch_alone=None if torch_dense is None or torch_attention is None else (
+                       torch_dense[0] + torch_attention[0], torch_dense[1] + torch_attention[1]))
 
 
 def _short_op_name(op_name: str) -> str:
@@ -627,6 +670,11 @@ def products_table(profiles: Sequence[Profile]) -> Table:
             how = "in the step"
         rows.append([p.framework, how, wall, ms, gflop, _rate(gflop, ms), att_ms,
                      _rate(att_gflop, att_ms), wall - ms, 100 * (wall - ms) / wall])
+        if p.torch_alone is not None:
+            (ms, gflop), (att_ms, att_gflop) = p.torch_alone, p.torch_attention_alone
+            nan = float("nan")
+            rows.append(["torch", "our products alone", nan, ms, gflop,
+                         _rate(gflop, ms), att_ms, _rate(att_gflop, att_ms), nan, nan])
     notes = ["products = the matrix products only (ours: the distinct dot shapes of the "
              "optimized HLO, each jitted alone on random operands, fastest of 7 runs, times its "
              "count; convolutions not included; HF: aten mm/addmm/bmm and SDPA self times, "
@@ -634,7 +682,17 @@ def products_table(profiles: Sequence[Profile]) -> Table:
              "queries with keys and of weights with values (with HF's SDPA, its whole fused "
              "op: softmax included, FLOPs not counted); step wall = the fastest of "
              "the untraced steps timed before tracing (at least 5); rest = wall − products: "
-             "everything else, plus what running inside the step costs the products."]
+             "everything else, plus what running inside the step costs the products.",
+             "torch = our products (the same distinct shapes and counts) run alone by "
+             "`torch.matmul` on contiguous (batch, M, K)·(batch, K, N) operands, fastest of 7: "
+             "the two libraries on the same work."]
+    ours = next((p for p in profiles if p.torch_alone is not None), None)
+    if ours is not None:
+        notes.append(f"Our products alone: XLA:CPU {ours.products_alone[0]:.3g} ms, torch "
+                     f"{ours.torch_alone[0]:.3g} ms (XLA:CPU takes "
+                     f"{ours.products_alone[0] / ours.torch_alone[0]:.3g}× torch's time; "
+                     f"attention products {ours.attention_alone[0]:.3g} against "
+                     f"{ours.torch_attention_alone[0]:.3g} ms).")
     if len(profiles) == 2 and profiles[0].products_alone is not None:
         best = min(profiles[1].untraced_ms) / profiles[0].products_alone[0]
         notes.append(f"Were everything but the products free and the products as fast as "

@@ -85,6 +85,18 @@ def test_products_are_read_from_the_hlo_and_timed_alone():
     assert sorted(map(profile.signature_flops, sigs)) == [2 * 7 * 3 * 5, 2 * 2 * 8 * 6 * 4,
                                                           2 * 9 * 13 * 11]
     assert ms > 0 and gflop == pytest.approx(expected / 1e9)
+    assert sorted(map(profile.canonical_product, sigs)) == [(1, 7, 5, 3), (1, 9, 11, 13),
+                                                            (2, 8, 4, 6)]
+    torch_ms, torch_gflop = profile.time_products_torch(sigs, repeats=2)
+    assert torch_ms > 0 and torch_gflop == pytest.approx(gflop)
+
+
+def test_canonical_product_reads_batch_free_and_contracted_sizes():
+    """A product with two batch axes, a contracting axis in the middle of each operand and
+    two free axes on the left: the sizes torch's (batch, M, K)·(batch, K, N) needs."""
+    signature = ("f32", (2, 5, 3, 7), (3, 5, 2, 4), ((2,), (0,), (0, 1), (2, 1)))
+    assert profile.canonical_product(signature) == (10, 7, 3, 4)
+    assert profile.signature_flops(signature) == 2 * 10 * 7 * 3 * 4
 
 
 @pytest.mark.parametrize("options, kind", [
@@ -137,6 +149,12 @@ def test_profile_subcommand_end_to_end(tmp_path, capsys):
         assert ms > 0 and gflop > 0 and rest == pytest.approx(wall - ms, abs=rounding)
         assert 0 < attention_ms < ms
     assert products["ours"][2] == pytest.approx(products["hf"][2], rel=0.1)   # same FLOPs
+    torch_row = next(ln for ln in text.splitlines()
+                     if ln.startswith("| torch | our products alone |")).split("|")[3:11]
+    assert torch_row[0].strip() == torch_row[6].strip() == "—"    # no step of its own
+    assert float(torch_row[1]) > 0 and float(torch_row[2]) == products["ours"][2]
+    assert 0 < float(torch_row[4]) < float(torch_row[1])
+    assert "Our products alone: XLA:CPU " in text
     assert "Load average before / after" in text
 
 
