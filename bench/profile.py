@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Any, Iterable, Sequence
 
-from bench.common import Table, load_average, median, parse_options, timed
+from bench.common import Table, format_cell, load_average, median, parse_options, timed
 
 CATEGORIES = (
     "dense matmuls",          # projections, MLP, pooler/head, patch embedding (fwd + bwd)
@@ -688,11 +688,11 @@ def products_table(profiles: Sequence[Profile]) -> Table:
              "the two libraries on the same work."]
     ours = next((p for p in profiles if p.torch_alone is not None), None)
     if ours is not None:
-        notes.append(f"Our products alone: XLA:CPU {ours.products_alone[0]:.3g} ms, torch "
-                     f"{ours.torch_alone[0]:.3g} ms (XLA:CPU takes "
-                     f"{ours.products_alone[0] / ours.torch_alone[0]:.3g}× torch's time; "
-                     f"attention products {ours.attention_alone[0]:.3g} against "
-                     f"{ours.torch_attention_alone[0]:.3g} ms).")
+        notes.append(f"Our products alone: XLA:CPU {format_cell(ours.products_alone[0])} ms, "
+                     f"torch {format_cell(ours.torch_alone[0])} ms (XLA:CPU takes "
+                     f"{format_cell(ours.products_alone[0] / ours.torch_alone[0])}× torch's "
+                     f"time; attention products {format_cell(ours.attention_alone[0])} "
+                     f"against {format_cell(ours.torch_attention_alone[0])} ms).")
     if len(profiles) == 2 and profiles[0].products_alone is not None:
         best = min(profiles[1].untraced_ms) / profiles[0].products_alone[0]
         notes.append(f"Were everything but the products free and the products as fast as "
