@@ -8,6 +8,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402
+import signal  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -20,6 +21,18 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+@pytest.fixture
+def terminal_signals():
+    """SIGINT and SIGTERM as a terminal gives them to Python (and, through exec, SIG_DFL to a
+    child), whatever the test process inherited: started in the background by a script
+    (``nohup pytest … &``), SIGINT is ignored, and StopRequest rightly leaves an ignored
+    signal ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler), \
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGINT, previous[0]), signal.signal(signal.SIGTERM, previous[1])
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -261,7 +261,7 @@ print("finished, stop requested:", stop.requested, flush=True)
 """
 
 
-def test_ctrl_c_while_the_main_thread_is_busy(tmp_path):
+def test_ctrl_c_while_the_main_thread_is_busy(tmp_path, terminal_signals):
     """As in train(): signals reach the receiver thread. One Ctrl-C is seen at once and only
     asks for a stop; a second aborts at once (status 130), not when the busy call returns."""
     def run(busy_s: str, presses: int) -> tuple[subprocess.CompletedProcess, float]:

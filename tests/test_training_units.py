@@ -768,7 +768,7 @@ def _wait_for(predicate, seconds: float = 5.0) -> bool:
     return predicate()
 
 
-def test_stop_request_is_set_by_sigterm_or_ctrl_c_and_restores_the_handlers():
+def test_stop_request_is_set_by_sigterm_or_ctrl_c_and_restores_the_handlers(terminal_signals):
     """(A second Ctrl-C ends the process: tests/test_train_cli.py checks it in a subprocess.)"""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
