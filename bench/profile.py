@@ -41,7 +41,7 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from bench.common import Table, format_cell, load_average, median, parse_options, timed
 
@@ -246,6 +246,21 @@ def signature_flops(signature: DotSignature) -> float:
     return 2.0 * math.prod(lhs) * math.prod(n for d, n in enumerate(rhs) if d not in rc + rb)
 
 
+def _time_products(signatures: dict[DotSignature, int],
+                   runner: Callable[[DotSignature], Callable[[], Any]], repeats: int
+                   ) -> tuple[float, float]:
+    """(ms, GFLOP): over the distinct products, count × the fastest of ``repeats`` runs of
+    ``runner(signature)`` (a call that runs the product once and blocks), after two warm-up
+    runs."""
+    total_ms = total_gflop = 0.0
+    for signature, count in signatures.items():
+        run = runner(signature)
+        run(), run()
+        total_ms += count * min(timed(run) for _ in range(repeats)) * 1e3
+        total_gflop += count * signature_flops(signature) / 1e9
+    return total_ms, total_gflop
+
+
 def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
                         ) -> tuple[float, float]:
     """(ms, GFLOP) of the given products, each jitted and run alone on random operands:
@@ -255,16 +270,15 @@ def time_products_alone(signatures: dict[DotSignature, int], repeats: int = 7
     import numpy as np
     rng = np.random.default_rng(0)
     numpy_dtype = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16"}
-    total_ms = total_gflop = 0.0
-    for (dtype, lhs, rhs, (lc, rc, lb, rb)), count in signatures.items():
+
+    def runner(signature: DotSignature) -> Callable[[], Any]:
+        dtype, lhs, rhs, (lc, rc, lb, rb) = signature
         a, b = (jax.numpy.asarray(rng.standard_normal(shape), dtype=numpy_dtype[dtype])
                 for shape in (lhs, rhs))
-        product = jax.jit(lambda x, y, d=((lc, rc), (lb, rb)): jax.lax.dot_general(x, y, d))
-        product(a, b).block_until_ready(), product(a, b).block_until_ready()
-        best = min(timed(lambda: product(a, b).block_until_ready()) for _ in range(repeats))
-        total_ms += count * best * 1e3
-        total_gflop += count * signature_flops((dtype, lhs, rhs, (lc, rc, lb, rb))) / 1e9
-    return total_ms, total_gflop
+        product = jax.jit(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb))))
+        return lambda: product(a, b).block_until_ready()
+
+    return _time_products(signatures, runner, repeats)
 
 
 def canonical_product(signature: DotSignature) -> tuple[int, int, int, int]:
@@ -288,17 +302,15 @@ def time_products_torch(signatures: dict[DotSignature, int], repeats: int = 7
     torch_dtype = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
                    "bf16": torch.bfloat16}
     generator = torch.Generator().manual_seed(0)
-    total_ms = total_gflop = 0.0
-    for signature, count in signatures.items():
+
+    def runner(signature: DotSignature) -> Callable[[], Any]:
         batch, m, k, n = canonical_product(signature)
         lead = (batch,) if batch > 1 else ()
         a, b = (torch.randn(lead + shape, generator=generator).to(torch_dtype[signature[0]])
                 for shape in ((m, k), (k, n)))
-        torch.matmul(a, b), torch.matmul(a, b)
-        best = min(timed(lambda: torch.matmul(a, b)) for _ in range(repeats))
-        total_ms += count * best * 1e3
-        total_gflop += count * signature_flops(signature) / 1e9
-    return total_ms, total_gflop
+        return lambda: torch.matmul(a, b)
+
+    return _time_products(signatures, runner, repeats)
 
 
 def matmul_kind(inst: Instruction, comps: dict[str, list[Instruction]]) -> str:
@@ -682,12 +694,12 @@ def products_table(profiles: Sequence[Profile]) -> Table:
              "queries with keys and of weights with values (with HF's SDPA, its whole fused "
              "op: softmax included, FLOPs not counted); step wall = the fastest of "
              "the untraced steps timed before tracing (at least 5); rest = wall − products: "
-             "everything else, plus what running inside the step costs the products.",
-             "torch = our products (the same distinct shapes and counts) run alone by "
-             "`torch.matmul` on contiguous (batch, M, K)·(batch, K, N) operands, fastest of 7: "
-             "the two libraries on the same work."]
+             "everything else, plus what running inside the step costs the products."]
     ours = next((p for p in profiles if p.torch_alone is not None), None)
     if ours is not None:
+        notes.append("torch = our products (the same distinct shapes and counts) run alone by "
+                     "`torch.matmul` on contiguous (batch, M, K)·(batch, K, N) operands, "
+                     "fastest of 7: the two libraries on the same work.")
         notes.append(f"Our products alone: XLA:CPU {format_cell(ours.products_alone[0])} ms, "
                      f"torch {format_cell(ours.torch_alone[0])} ms (XLA:CPU takes "
                      f"{format_cell(ours.products_alone[0] / ours.torch_alone[0])}× torch's "
