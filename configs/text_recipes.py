@@ -47,8 +47,10 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
     ``max_length`` rows), so each can be overridden (``--config.model.remat=True``)."""
     row = defaults.recipe_scheme(scheme)
     if size == "base":
-        # Paper scale runs on pods: one scanned layer compiles ~N times faster.
-        dims = dict(hidden_size=768, num_heads=12, num_layers=12, mlp_dim=3072, scan_layers=True)
+        # Paper scale runs on pods: one scanned layer compiles ~N times faster; bf16 compute
+        # (fp32 parameters and optimizer state) as TPUs and GPUs run it at full rate.
+        dims = dict(hidden_size=768, num_heads=12, num_layers=12, mlp_dim=3072, scan_layers=True,
+                    dtype="bfloat16")
     elif size == "tiny":
         dims = dict(hidden_size=128, num_heads=4, num_layers=4, mlp_dim=512)
     else:

@@ -737,28 +737,39 @@ def test_mfu_above_one_remeasures_and_raises_a_measured_peak():
     assert fixed.mfu(200.0) == 2.0 and fixed.value == 100.0     # a configured peak is kept
 
 
-def test_process_row_blocks_on_the_local_mesh():
+def test_batch_feeds_on_the_local_mesh():
     mesh = mesh_lib.build_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
-    assert mesh_lib.process_row_blocks(mesh) == {0: 0}   # one process holds every batch row
+    feeds = mesh_lib.batch_feeds(mesh)
+    assert feeds.feed_of == {0: 0} and feeds.count == 1   # one process holds every batch row
+    assert mesh_lib.process_feed(mesh) == (0, 1)
+    np.testing.assert_array_equal(feeds.feed_order(8), np.arange(8))
 
 
-@pytest.mark.parametrize("rows,shards,expected", [
-    ({0: {0, 1}, 1: {2, 3}}, 4, {0: 0, 1: 1}),
-    ({1: {0, 1}, 0: {2, 3}}, 4, {1: 0, 0: 1}),          # process 1 may own the first block
-    ({0: {0}, 1: {1}, 2: {2}, 3: {3}}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
+@pytest.mark.parametrize("rows,shards,groups,feed_of", [
+    ({0: {0, 1}, 1: {2, 3}}, 4, ((0, 1), (2, 3)), {0: 0, 1: 1}),
+    ({1: {0, 1}, 0: {2, 3}}, 4, ((0, 1), (2, 3)), {1: 0, 0: 1}),   # process 1 feeds first
+    ({0: {0, 2}, 1: {1, 3}}, 4, ((0, 2), (1, 3)), {0: 0, 1: 1}),   # interleaved (physical)
+    ({0: {0, 1}, 1: {0, 1}}, 2, ((0, 1),), {0: 0, 1: 0}),          # tensor across hosts
+    ({0: {0}, 1: {1}, 2: {2}, 3: {3}}, 4, ((0,), (1,), (2,), (3,)), {0: 0, 1: 1, 2: 2, 3: 3}),
 ])
-def test_row_blocks_of_contiguous_shards(rows, shards, expected):
-    assert mesh_lib.row_blocks(rows, shards, "mesh M") == expected
+def test_feed_groups(rows, shards, groups, feed_of):
+    feeds = mesh_lib.feed_groups(rows, shards, "mesh M")
+    assert feeds.groups == groups and dict(feeds.feed_of) == feed_of
 
 
-@pytest.mark.parametrize("rows,shards,match", [
-    ({0: {0, 2}, 1: {1, 3}}, 4, "contiguous block"),    # interleaved along data x fsdp
-    ({0: {0, 1}, 1: {0, 1}}, 2, "contiguous block"),    # both processes on the same rows
-    ({0: {0, 1, 2}, 1: {3, 4}}, 5, "do not split over the 2 processes"),
+def test_feed_order_puts_each_feeds_rows_together():
+    feeds = mesh_lib.feed_groups({0: {0, 2}, 1: {1, 3}}, 4, "mesh M")
+    np.testing.assert_array_equal(feeds.rows(0, 8), [0, 1, 4, 5])
+    np.testing.assert_array_equal(feeds.feed_order(8), [0, 1, 4, 5, 2, 3, 6, 7])
+
+
+@pytest.mark.parametrize("rows,shards", [
+    ({0: {0, 1}, 1: {1, 2}}, 3),          # overlapping but unequal
+    ({0: {0, 1, 2}, 1: {3}}, 4),          # feeds of unequal size
 ])
-def test_row_blocks_refuse_meshes_the_pipeline_cannot_feed(rows, shards, match):
-    with pytest.raises(ValueError, match=match):
-        mesh_lib.row_blocks(rows, shards, "mesh M")
+def test_feed_groups_refuse_meshes_no_feed_can_fill(rows, shards):
+    with pytest.raises(ValueError, match="overlapping but unequal"):
+        mesh_lib.feed_groups(rows, shards, "mesh M")
 
 
 def _wait_for(predicate, seconds: float = 5.0) -> bool:

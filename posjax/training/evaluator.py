@@ -82,6 +82,9 @@ def run_evaluation(run: run_setup.Run, params: Any, eval_step,
                 collected.setdefault(k, []).append(np.asarray(v))
             if (line := progress.batch_done(int(np.sum(gathered["__mask__"])))) is not None:
                 run_setup.print_main(run, line)
+    feeds = mesh_lib.batch_feeds(run.mesh)
+    # Each gathered batch in the order its examples were read (feed 0's rows first).
+    collected = {k: [b[feeds.feed_order(len(b))] for b in v] for k, v in collected.items()}
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:

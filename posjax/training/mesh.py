@@ -2,11 +2,13 @@
 
 Mesh axes: ``data`` (pure data parallelism, parameters replicated), ``fsdp`` (data parallelism
 with parameters and optimizer state sharded along ``embed``), ``tensor`` (heads / MLP / vocab
-split across devices). The batch is split over data × fsdp; each process owns one block of its
-rows (``process_row_blocks``) and ``global_batch`` makes global arrays of them.
+split across devices). The batch is split over data × fsdp; each process feeds the rows its
+devices hold (``batch_feeds``) and ``global_batch`` makes global arrays of them.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from typing import Any, Mapping, Sequence
@@ -66,16 +68,42 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, int,
     return tuple(sizes)
 
 
-def build_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) Mesh with Auto axis types (what Flax logical constraints need)."""
+def build_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) Mesh with Auto axis types (what Flax logical constraints need).
+
+    Devices are laid out physically (``mesh_utils.create_device_mesh``: neighbours on the mesh
+    are neighbours on the chips' interconnect). Devices of several slices (a multi-slice job,
+    ``device.slice_index``) split ``data`` across the slices: each slice holds a contiguous
+    block of ``data`` laid out physically within it, so only the gradient reduction over
+    ``data`` crosses the data-center network. ``devices``: jax.Device or compile-only TPU
+    devices (``jax.experimental.topologies``); default ``jax.devices()``.
+    """
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(mesh_cfg, len(devices))
+    slices: dict[int, list[Any]] = {}
+    for d in devices:
+        slices.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)
+    if len(slices) == 1:
+        grid = _physical_grid(shape, devices)
+    else:
+        n = len(slices)
+        check(shape[0] % n == 0,
+              f"mesh data={shape[0]} does not split over the {n} slices of this job (the "
+              f"data axis crosses slices): make mesh.data a multiple of {n}")
+        local = (shape[0] // n,) + tuple(shape[1:])
+        grid = np.concatenate([_physical_grid(local, slices[k]) for k in sorted(slices)])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _physical_grid(shape: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
+    """``devices`` as an array of ``shape`` in interconnect order where JAX knows the chips'
+    topology (TPU), else in the given order."""
     try:
         from jax.experimental import mesh_utils
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return mesh_utils.create_device_mesh(tuple(shape), devices,
+                                             allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError):
-        grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return np.asarray(devices, dtype=object).reshape(tuple(shape))
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -129,9 +157,11 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh,
 
 
 def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
-    """The global batch must split evenly over processes, batch shards and microbatches."""
+    """The global batch must split evenly over batch shards, microbatches and the processes'
+    feeds (``batch_feeds``)."""
     shards = batch_shards(mesh)
     n = config.microbatches
+    feeds = batch_feeds(mesh)
     for key in ("batch_size", "eval_batch_size"):
         size = config[key] or config.batch_size
         need = shards * (n if key == "batch_size" else 1)
@@ -140,44 +170,83 @@ def validate_batch(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
                    f"microbatches={n} x batch shards (data x fsdp = {shards})"
                    if key == "batch_size" else f"the batch shards (data x fsdp = {shards})")
                + f": use a multiple of {need}")
-        check(size % jax.process_count() == 0,
-               f"{key}={size} is not divisible by the {jax.process_count()} processes")
-    process_row_blocks(mesh)   # raises when processes do not own one block of rows each
+        # (shards is a multiple of the feeds: this holds once the check above does)
+        check(size % feeds.count == 0,
+               f"{key}={size} is not divisible by the {feeds.count} input feeds")
 
 
-def process_row_blocks(mesh: Mesh) -> dict[int, int]:
-    """{process index: k}: the process owns rows block k of the global batch (blocks of
-    b / processes rows in row order), so it feeds shard k of the input pipeline and
-    ``make_array_from_process_local_data`` places its rows where the pipeline means them."""
+@dataclasses.dataclass(frozen=True)
+class BatchFeeds:
+    """Which rows of every global batch each process feeds.
+
+    The batch's leading axis is split into ``shards`` = data × fsdp equal shards (shard s =
+    rows [s·B/shards, (s+1)·B/shards)). Each process feeds the shards its devices hold:
+    ``groups[g]`` are the shards of feed ``g`` (sorted; they need not be contiguous: a
+    physically laid out mesh interleaves hosts along the batch); processes whose devices hold
+    the same shards (a ``tensor`` axis across hosts) form one feed and read the same examples.
+    Feed g reads shard g of ``count`` of the input pipeline (``process_feed``), and its B/count
+    rows go, in order, to its shards' rows (``jax.make_array_from_process_local_data``).
+    """
+
+    shards: int
+    groups: tuple[tuple[int, ...], ...]
+    feed_of: Mapping[int, int]        # {process index: feed}
+
+    @property
+    def count(self) -> int:
+        return len(self.groups)
+
+    def rows(self, feed: int, batch: int) -> np.ndarray:
+        """The global rows (of a batch of ``batch`` rows) that ``feed`` fills, in order."""
+        per = batch // self.shards
+        return np.concatenate([np.arange(s * per, (s + 1) * per) for s in self.groups[feed]])
+
+    def feed_order(self, batch: int) -> np.ndarray:
+        """Index that puts a global batch's rows in feed order (feed 0's rows, then feed 1's,
+        ...): the order the examples were read in. Identity when feeds hold contiguous
+        blocks."""
+        return np.concatenate([self.rows(g, batch) for g in range(self.count)])
+
+
+@functools.lru_cache(maxsize=16)
+def batch_feeds(mesh: Mesh) -> BatchFeeds:
+    """``BatchFeeds`` of ``mesh`` (its devices' process indices and the batch sharding)."""
     shards = batch_shards(mesh)
     rows: dict[int, set[int]] = {}
-    sharding = batch_sharding(mesh)
-    for device, index in sharding.devices_indices_map((shards,)).items():
+    for device, index in batch_sharding(mesh).devices_indices_map((shards,)).items():
         rows.setdefault(device.process_index, set()).update(range(shards)[index[0]])
-    return row_blocks(rows, shards, f"mesh {dict(mesh.shape)}")
+    return feed_groups(rows, shards, f"mesh {dict(mesh.shape)}")
 
 
-def row_blocks(rows: dict[int, set[int]], shards: int, where: str) -> dict[int, int]:
-    """{process: k} from the batch shards each process holds ({process: shard indices} of
-    ``shards``): process p must hold exactly the contiguous shards of block k, blocks of
-    shards / processes, one block per process. ``where`` names the mesh in the error."""
-    check(shards % len(rows) == 0,
-           f"{where} has data x fsdp = {shards} batch shards, which do not split over the "
-           f"{len(rows)} processes: make data x fsdp a multiple of {len(rows)}")
-    size = shards // len(rows)
-    blocks = {p: min(r) // size for p, r in rows.items()}
-    contiguous = all(r == set(range(blocks[p] * size, (blocks[p] + 1) * size))
-                     for p, r in rows.items())
-    check(contiguous and sorted(blocks.values()) == list(range(len(rows))),
-           f"{where} does not give each of the {len(rows)} processes its own contiguous block "
-           f"of batch rows (batch shards by process: "
-           f"{ {p: sorted(r) for p, r in sorted(rows.items())} }): make data x fsdp a multiple "
-           "of the process count, with each process's devices adjacent along data x fsdp")
-    return blocks
+def feed_groups(rows: Mapping[int, set[int]], shards: int, where: str) -> BatchFeeds:
+    """``BatchFeeds`` from {process: the batch shards its devices hold}. Two processes must
+    hold the same shards or none in common, and every feed the same number of shards (else
+    one ValueError naming the mesh ``where``)."""
+    groups = sorted({tuple(sorted(r)) for r in rows.values()})
+    held = [s for g in groups for s in g]
+    check(len(held) == len(set(held)) and len({len(g) for g in groups}) == 1,
+           f"{where} gives processes overlapping but unequal sets of batch shards (by "
+           f"process: { {p: sorted(r) for p, r in sorted(rows.items())} }), which no input "
+           "feed can fill: put the devices of each process along data x fsdp or along "
+           "tensor only (e.g. tensor <= the devices of one host)")
+    feed_of = {p: groups.index(tuple(sorted(r))) for p, r in rows.items()}
+    return BatchFeeds(shards, tuple(groups), feed_of)
+
+
+def process_feed(mesh: Mesh, process: int | None = None) -> tuple[int, int]:
+    """(feed index, feed count) of ``process`` (default: this one): it reads shard ``index``
+    of ``count`` of the input pipeline."""
+    feeds = batch_feeds(mesh)
+    return feeds.feed_of[jax.process_index() if process is None else process], feeds.count
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """This process's rows -> global arrays sharded over data × fsdp."""
-    return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim),
-                                                      np.asarray(v))
-            for k, v in local.items()}
+    """This process's rows (its feed, ``batch_feeds``) -> global arrays sharded over
+    data × fsdp."""
+    count = batch_feeds(mesh).count
+    out = {}
+    for k, v in local.items():
+        v = np.asarray(v)
+        out[k] = jax.make_array_from_process_local_data(
+            batch_sharding(mesh, v.ndim), v, (v.shape[0] * count,) + v.shape[1:])
+    return out

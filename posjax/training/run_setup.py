@@ -17,12 +17,12 @@ from jax.sharding import Mesh
 from posjax import config_defaults
 from posjax.io_utils import local_path
 from posjax.training import mesh as mesh_lib
-from posjax.training import optim
 from posjax.training import processes
 from posjax.training import results
 from posjax.training import run_config
 from posjax.training import init_from_checks
 from posjax.training import state as state_lib
+from posjax.training import steps as steps_lib
 from posjax.training import workdir as workdir_lib
 from posjax.training.tasks import Task, make_task
 
@@ -40,6 +40,7 @@ class Run:
     schedule: optax.Schedule
     abstract: state_lib.TrainState
     shardings: state_lib.TrainState
+    train_step: Any                     # steps.Training.train_step (jitted, not compiled yet)
     evaluates_init_from: bool = False   # eval.py on init_from's weights (``evaluates_init_from``)
     eval_tag: str = ""                  # eval.py on other data than the run's (``eval_tag``)
     data_identity: dict[str, Any] = dataclasses.field(default_factory=dict)   # task's, at set-up
@@ -53,10 +54,9 @@ class Run:
         return _Context(self.mesh)
 
     def make_pipeline(self, split: str, global_batch_size: int, train: bool) -> Any:
-        """This process's input pipeline: shard k of ``jax.process_count()``, k = the block of
-        batch rows the mesh gives this process (``process_row_blocks``)."""
-        count = jax.process_count()
-        shard = mesh_lib.process_row_blocks(self.mesh)[jax.process_index()]
+        """This process's input pipeline: shard k of n, where k is this process's feed of the
+        n feeds the mesh asks for (``mesh.batch_feeds``: the rows its devices hold)."""
+        shard, count = mesh_lib.process_feed(self.mesh)
         return self.task.make_pipeline(split, global_batch_size // count, self.config.seed,
                                        train, shard, count)
 
@@ -121,14 +121,14 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         tag = results.eval_tag(workdir_lib.check_eval_config(workdir, config), config)
         # Whatever its path:
         workdir_lib.check_data_identity(workdir, config, identity, training=False)
-    model = task.build_model()
-    tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps)
-    abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    training_program = steps_lib.build_training(config, mesh, task)
+    abstract, shardings = training_program.abstract, training_program.shardings
     if (training and config.init_from and not workdir_lib.saved_steps(workdir)) or pretrained:
         init_from_checks.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
         workdir_lib.check_init_from_data(config, identity)
-    return Run(config, workdir, task, model, mesh, tx, schedule, abstract, shardings,
+    return Run(config, workdir, task, training_program.model, mesh, training_program.tx,
+               training_program.schedule, abstract, shardings, training_program.train_step,
                pretrained, tag, identity)
 
 

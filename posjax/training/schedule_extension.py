@@ -150,5 +150,8 @@ def on_resume(run: Any, start: int) -> Any:
         return run
     if run.is_main and segments != recorded:
         write_segments(run.workdir, segments)
-    tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps, schedule)
-    return dataclasses.replace(run, tx=tx, schedule=schedule)
+    from posjax.training import steps
+
+    program = steps.build_training(config, run.mesh, run.task, schedule)
+    return dataclasses.replace(run, tx=program.tx, schedule=program.schedule,
+                               train_step=program.train_step)

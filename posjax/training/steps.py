@@ -10,6 +10,7 @@ evenly over the batch shards. The dropout RNG of microbatch i is fold_in(fold_in
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -19,8 +20,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posjax.training import mesh as mesh_lib
+from posjax.training import optim
+from posjax.training import state as state_lib
 from posjax.training.state import TrainState
-from posjax.training.tasks import Metrics, Task
+from posjax.training.tasks import Metrics, Task, make_task
 
 StepMetrics = dict[str, Any]
 
@@ -102,3 +105,47 @@ def make_eval_step(task: Task, model: nn.Module) -> Callable[[Any, dict], dict[s
         return task.eval_outputs(model, params, batch)
 
     return jax.jit(eval_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What a run compiles for its mesh: the model, the optimizer and schedule, the state's
+    abstract values and shardings, and the jitted train step (``make_train_step``)."""
+
+    task: Task
+    model: nn.Module
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract: TrainState        # ShapeDtypeStructs with their shardings: nothing allocated
+    shardings: TrainState
+    mesh: Mesh
+    train_step: Callable[[TrainState, dict, jax.Array], tuple[TrainState, StepMetrics]]
+
+    def abstract_batch(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """A global batch of ``batch_size`` rows as the step receives it (sharded over
+        data × fsdp)."""
+        return {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype),
+                                        sharding=mesh_lib.batch_sharding(self.mesh, v.ndim))
+                for k, v in self.task.dummy_batch(batch_size).items()}
+
+    def lower(self, batch_size: int) -> jax.stages.Lowered:
+        """The train step lowered for a global batch of ``batch_size`` (ahead of time: no
+        array is allocated, the mesh's devices may be compile-only ones)."""
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=mesh_lib.replicated(self.mesh))
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(mesh_lib.LOGICAL_RULES):
+            return self.train_step.lower(self.abstract, self.abstract_batch(batch_size), key)
+
+
+def build_training(config: Any, mesh: Mesh, task: Task | None = None,
+                   schedule: optax.Schedule | None = None) -> Training:
+    """The training program of ``config`` on ``mesh``: what train.py runs and
+    ``python -m posjax.plan`` compiles (no workdir, data or device memory needed).
+    ``schedule``: the learning rate of a resumed run whose num_steps changed
+    (``schedule_extension``), else the config's."""
+    task = task or make_task(config)
+    model = task.build_model()
+    tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps, schedule)
+    abstract, shardings = state_lib.abstract_state(task, model, tx, mesh, config.seed)
+    step = make_train_step(task, model, tx, mesh, shardings, task.dummy_batch(1),
+                           config.microbatches)
+    return Training(task, model, tx, schedule, abstract, shardings, mesh, step)

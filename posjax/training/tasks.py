@@ -7,6 +7,9 @@ with ``@register_task``, and implement:
 ``validate()``
     Raise one ``ValueError`` for a bad model/data/task config (naming field, value and fix).
     Called before anything is compiled or written. The constructor itself must not raise.
+``validate_model()`` (optional)
+    The checks of ``validate`` that need no data (files, tokenizer): what
+    ``python -m posjax.plan`` can check on a machine without the run's data. Default: none.
 ``build_model() -> nn.Module``
     The Flax module, from ``config.model``.
 ``dummy_batch(batch_size) -> dict[str, np.ndarray]``
@@ -90,6 +93,9 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def validate(self) -> None: ...
+
+    def validate_model(self) -> Any:
+        return None
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module: ...
@@ -209,6 +215,11 @@ class ImageClassification(Task):
         return float(self.config.data.get("mixup_alpha", 0.0)) > 0
 
     def validate(self) -> None:
+        self.validate_model()
+        from posjax.data import validate_data_config
+        validate_data_config(self.config.data)
+
+    def validate_model(self) -> ViTConfig:
         cfg = self.model_config
         if cfg.num_classes < 1:
             raise ValueError(f"model.num_classes={cfg.num_classes} is not valid for "
@@ -216,14 +227,13 @@ class ImageClassification(Task):
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={self.label_smoothing} is not valid: "
                              "must lie in [0, 1)")
-        from posjax.data import validate_data_config
-        validate_data_config(self.config.data)
         size = self.config.data.get("image_size", None)
         if size is not None:
             pair = (size, size) if isinstance(size, int) else tuple(size)
             if pair != cfg.image_size:
                 raise ValueError(f"data.image_size={size} differs from model.image_size="
                                  f"{cfg.image_size}: set both to the same size")
+        return cfg
 
     def build_model(self) -> nn.Module:
         return ViT(self.model_config)

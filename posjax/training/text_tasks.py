@@ -107,7 +107,15 @@ class _TextTask(Task):
         return (model if cfg == self.model_config else self.build_model(cfg)), params
 
     def check_model(self) -> TextConfig:
-        """Tokenizer ids and data.max_seq_length must fit the model's tables; no setting the
+        """Tokenizer ids and data.max_seq_length must fit the model's tables, and
+        ``validate_model``'s checks."""
+        cfg = self.validate_model()
+        check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
+                         "data.max_seq_length")
+        return cfg
+
+    def validate_model(self) -> TextConfig:
+        """Without the data: data.max_seq_length must fit the position table; no setting the
         position scheme does not read (``unread_scheme_settings``) and no label_smoothing (an
         image-classification key the text losses do not apply): each would change nothing."""
         smoothing = self.config.get("label_smoothing", 0.0)
@@ -121,8 +129,8 @@ class _TextTask(Task):
                 f"model.{field}={getattr(cfg, field)!r} has no effect with position_scheme="
                 f"{cfg.position_scheme!r} (only {', '.join(readers)} read it): remove the "
                 "override, or choose one of those schemes")
-        check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
-                         "data.max_seq_length")
+        position_tables.check_length(cfg, int(self.config.data.max_seq_length),
+                                     "data.max_seq_length")
         return cfg
 
 

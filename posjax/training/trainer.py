@@ -7,7 +7,8 @@
    ``eval_every_steps``, stop after a preemption (SIGTERM) once the step is saved,
 5. final evaluation, written beside the last checkpoint.
 
-Several processes: each feeds its block of every global batch (``mesh.process_row_blocks``);
+Several processes: each feeds the rows of every global batch its devices hold
+(``mesh.batch_feeds``);
 a SIGTERM reaches ``checkpoint.Checkpointer.reached_preemption``, and every process stops
 after the same step, saves it and returns ``preempted=True``.
 """
@@ -141,8 +142,7 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
     run = schedule_extension.on_resume(run, start)   # another num_steps: lr continues
     if checkpointer.stop and checkpointer.stop.begin_steps():   # nothing new to save
         return _stopped_in_set_up(run)
-    train_step = steps_lib.make_train_step(task, run.model, run.tx, run.mesh, run.shardings,
-                                           task.dummy_batch(1), config.microbatches)
+    train_step = run.train_step   # steps.build_training: what the plan command compiles
     eval_step = steps_lib.make_eval_step(task, run.model)
     writer = metrics_lib.MetricWriter(run.workdir, run.is_main, start)
     progress = metrics_lib.Progress(num_steps, start)
