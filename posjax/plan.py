@@ -131,53 +131,51 @@ def compile_step(training: steps_lib.Training, batch_size: int, devices: int,
                     tpu_lib.collectives(compiled.as_text(), devices))
 
 
-def fits(training: steps_lib.Training, batch_size: int, devices: int,
-         progress: Progress) -> Compiled | None:
-    try:
-        return compile_step(training, batch_size, devices, progress)
-    except DoesNotFit:
-        return None
-
-
 def largest_batch(training: steps_lib.Training, start: Compiled | None, start_batch: int,
                   unit: int, hbm: int, devices: int, progress: Progress,
-                  tolerance: float = 0.0, limit: int = 1 << 22) -> tuple[int, int | None]:
+                  tolerance: float = 0.0, max_compiles: int = 16, limit: int = 1 << 22
+                  ) -> tuple[int, int | None]:
     """(largest fitting global batch found, smallest refused one or None), in multiples of
-    ``unit``. The first try is the batch at which a straight line through the compiled
-    ``start`` (fixed bytes + bytes per example) fills ``hbm``; then doubling or halving until
-    the compiler's verdict changes, then bisection until the two differ by one unit (or by
-    ``tolerance`` × the fitting one)."""
+    ``unit``. Each try is where a straight line through the last two fitting compiles (bytes
+    against batch) reaches ``hbm``, kept inside the bracket [largest fitting, smallest
+    refused]; otherwise the bracket is halved. Stops when the two differ by one unit (or by
+    ``tolerance`` × the fitting one) or after ``max_compiles`` compiles."""
     lo, hi = 0, None
-    b = max(unit, start_batch // unit * unit)
+    points: list[tuple[int, int]] = []
     if start is not None:
-        lo = b
-        fixed = start.memory["total"] - start.memory["temp"]
-        per_example = start.memory["temp"] / b
-        if per_example > 0:
-            b = max(lo, int((hbm - fixed) / per_example) // unit * unit)
-    while b <= limit and (hi is None or lo == 0):
-        if b > lo and fits(training, b, devices, progress):
-            lo, b = b, b * 2
-        elif b > lo:
-            hi = b
-            if lo:
-                break
-            b = b // 2 // unit * unit
-            if b < unit:
-                return 0, hi
-        else:
-            b *= 2
-    if hi is None:
-        return lo, None
-    while hi - lo > max(unit, tolerance * lo):
-        mid = (lo + hi) // 2 // unit * unit
-        if mid <= lo:
+        lo = max(unit, start_batch // unit * unit)
+        points.append((lo, start.memory["total"]))
+    b = max(unit, start_batch // unit * unit) if start is None else None
+    for _ in range(max_compiles):
+        if hi is not None and hi - lo <= max(unit, tolerance * lo):
             break
-        if fits(training, mid, devices, progress):
-            lo = mid
-        else:
-            hi = mid
+        if b is None:
+            b = _next_try(points, lo, hi, unit, hbm, limit)
+        if b is None:
+            break
+        try:
+            compiled = compile_step(training, b, devices, progress)
+            lo = b
+            points.append((b, compiled.memory["total"]))
+        except DoesNotFit:
+            hi = b
+        b = None
     return lo, hi
+
+
+def _next_try(points: list[tuple[int, int]], lo: int, hi: int | None, unit: int, hbm: int,
+              limit: int) -> int | None:
+    if not lo:   # nothing fits yet: halve the refused batch
+        b = hi // 2 // unit * unit
+        return b if b >= unit else None
+    (b0, m0), (b1, m1) = (points[-2] if len(points) > 1 else (0, 0)), points[-1]
+    slope = (m1 - m0) / (b1 - b0) if b1 != b0 else 0
+    guess = b1 + (hbm - m1) / slope if slope > 0 else 2 * b1
+    upper = hi - unit if hi is not None else min(limit, 4 * lo)
+    b = int(min(max(guess, lo + unit), upper)) // unit * unit
+    if hi is not None and (b <= lo or b >= hi):
+        b = (lo + hi) // 2 // unit * unit
+    return b if lo < b <= limit and (hi is None or b < hi) else None
 
 
 def _chip_time(compiled: Compiled, chip: tpu_lib.Chip, model_flops_per_chip: float
@@ -195,7 +193,7 @@ def _chip_time(compiled: Compiled, chip: tpu_lib.Chip, model_flops_per_chip: flo
 
 def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
          max_batch: bool = False, progress: Progress = print,
-         max_batch_tolerance: float = 0.0) -> dict[str, Any]:
+         max_batch_tolerance: float = 0.0, max_batch_compiles: int = 16) -> dict[str, Any]:
     """Compile the run's step for the slice and return the report (``format_report``)."""
     validate(config)
     tpu = tpu_lib.parse_slice(tpu_name)
@@ -250,7 +248,8 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
         unit = unit * feeds.count // math.gcd(unit, feeds.count)
         progress(f"searching the largest global batch (multiples of {unit}) ...")
         lo, hi = largest_batch(training, compiled, config.batch_size, unit,
-                               tpu.chip.hbm_bytes, chips, progress, max_batch_tolerance)
+                               tpu.chip.hbm_bytes, chips, progress, max_batch_tolerance,
+                               max_batch_compiles)
         report["max_batch"] = {"fits": lo, "refused": hi, "unit": unit}
     return report
 

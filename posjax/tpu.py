@@ -124,8 +124,13 @@ def parse_slice(name: str) -> Slice:
 def slice_devices(tpu: Slice, num_slices: int = 1) -> list[Any]:
     """Compile-only devices of ``num_slices`` copies of ``tpu`` (one device per chip: v4 in
     megacore mode), from libtpu; a RuntimeError saying how to install it when it is absent."""
+    import os
+
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock when it loads; compiling only, it need not (a TPU VM's
+    # training run may hold the lock, or other plan processes).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs: dict[str, Any] = {"chip_config_name": "megacore"} if tpu.chip.name == "v4" else {}
     if num_slices > 1:
         kwargs["num_slices"] = num_slices
