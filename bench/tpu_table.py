@@ -56,7 +56,7 @@ def command(module: str, variant: str, model: dict, tpu: str) -> str:
     return f"python -m posjax.plan --config {spec} --tpu {tpu}{overrides} --max-batch"
 
 
-def run(out: pathlib.Path, tolerance: float) -> dict:
+def run(out: pathlib.Path, tolerance: float, max_batch: bool) -> dict:
     results = json.loads(out.read_text()) if out.exists() else {}
     for name, module, variant, model in RECIPES:
         for tpu in SLICES:
@@ -65,7 +65,8 @@ def run(out: pathlib.Path, tolerance: float) -> dict:
                 continue
             start = time.perf_counter()
             print(f"== {key}", flush=True)
-            report = plan_lib.plan(recipe_config(module, variant, model), tpu, max_batch=True,
+            report = plan_lib.plan(recipe_config(module, variant, model), tpu,
+                                   max_batch=max_batch,
                                    max_batch_tolerance=tolerance, max_batch_compiles=3,
                                    progress=lambda line: print("  " + line, flush=True))
             report["command"] = command(module, variant, model, tpu)
@@ -93,7 +94,7 @@ def table(results: dict) -> str:
             mesh = "×".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
             mb = r.get("max_batch", {})
             largest = (f"{mb['fits']}" + (f" (< {mb['refused']})" if mb.get("refused") else "")
-                       if mb else "—")
+                       if mb else "not searched")
             est = r.get("estimate")
             step = f"{est['step_s_overlapped'] * 1e3:.0f}–{est['step_s_serial'] * 1e3:.0f}" \
                 if est else "—"
@@ -111,10 +112,12 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench/results/tpu_plans.json")
     parser.add_argument("--doc", type=pathlib.Path, default=None,
                         help="write the table between the markers of this Markdown file")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="also search each cell's largest batch (3 more compiles a cell)")
     parser.add_argument("--tolerance", type=float, default=0.25,
                         help="largest batch to within this fraction (1 unit: 0)")
     args = parser.parse_args()
-    results = run(args.out, args.tolerance)
+    results = run(args.out, args.tolerance, args.max_batch)
     text = table(results)
     print(text)
     if args.doc:

@@ -1,0 +1,165 @@
+"""python -m posjax.plan: train.py's step compiled by the real TPU compiler (libtpu, no TPU) for
+a single-host v5e:2x2 slice; slice names, memory against memory_analysis(), the collectives of
+data-only / fsdp / tensor meshes, the largest batch, exit statuses."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="libtpu (requirements-test.txt) compiles for TPU")
+
+from jax_env import xla_flags  # noqa: E402
+from posjax import plan as plan_lib  # noqa: E402
+from posjax import tpu as tpu_lib  # noqa: E402
+from posjax.models.schemes import TEXT_SCHEMES  # noqa: E402
+from posjax.training import mesh as mesh_lib  # noqa: E402
+from posjax.training import steps as steps_lib  # noqa: E402
+from tpu_plans import VIT_SCHEMES, tiny_text, tiny_vit  # noqa: E402
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+@pytest.mark.parametrize("name,topology,chips", [
+    ("v4-32", "v4:2x2x4", 16), ("v4-8", "v4:2x2x1", 4), ("v4-128", "v4:4x4x4", 64),
+    ("v5litepod-16", "v5e:4x4", 16), ("v5e-256", "v5e:16x16", 256), ("v5e-8", "v5e:2x4", 8),
+    ("v5p-128", "v5p:4x4x4", 64), ("v5p-8", "v5p:2x2x1", 4), ("v6e-64", "v6e:8x8", 64),
+    ("v4:2x2x4", "v4:2x2x4", 16), ("V5E:4x8", "v5e:4x8", 32),
+])
+def test_slice_names(name, topology, chips):
+    tpu = tpu_lib.parse_slice(name)
+    assert (tpu.topology, tpu.chips) == (topology, chips)
+
+
+@pytest.mark.parametrize("name", ["v7-8", "v4-3", "v4-6", "v5e-512", "v4:2x2", "tpu", "v5e-0"])
+def test_unknown_slice_is_one_error(name):
+    with pytest.raises(ValueError, match="--tpu"):
+        tpu_lib.parse_slice(name)
+
+
+@pytest.mark.parametrize("scheme", TEXT_SCHEMES)
+def test_every_text_scheme_compiles_for_v5e(scheme):
+    report = plan_lib.plan(tiny_text(scheme), "v5e:2x2", progress=_quiet)
+    assert report["fits"] and report["chips"] == 4 and report["hosts"] == 1
+    pc = report["per_chip"]
+    # data-only mesh: every chip holds all parameters (fp32) and AdamW's two moments
+    assert pc["opt_state"] == pytest.approx(2 * pc["params"], rel=0.01)
+    assert 0 < pc["total"] < tpu_lib.CHIPS["v5e"].hbm_bytes
+    kinds = {c["kind"] for c in report["collectives"]}
+    assert kinds == {"all-reduce"}, kinds   # data-only: gradient all-reduces, nothing else
+
+
+@pytest.mark.parametrize("scheme", VIT_SCHEMES)
+def test_vit_schemes_compile_for_v5e(scheme):
+    report = plan_lib.plan(tiny_vit(scheme), "v5e:2x2", progress=_quiet)
+    assert report["fits"]
+    assert {c["kind"] for c in report["collectives"]} == {"all-reduce"}
+
+
+def test_plan_numbers_are_memory_analysis():
+    config = tiny_text("bert_abs")
+    report = plan_lib.plan(config, "v5e:2x2", progress=_quiet)
+    mesh = mesh_lib.build_mesh(config.mesh, tpu_lib.slice_devices(tpu_lib.parse_slice("v5e:2x2")))
+    stats = steps_lib.build_training(config, mesh).lower(16).compile().memory_analysis()
+    memory = report["memory_analysis"]
+    assert memory["temp"] == stats.temp_size_in_bytes
+    assert memory["argument"] == stats.argument_size_in_bytes
+    assert report["per_chip"]["total"] == (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes)
+    # the donated state aliases its outputs: parameters + optimizer state (+ step)
+    assert memory["alias"] >= report["per_chip"]["params"] + report["per_chip"]["opt_state"]
+    # at width 32 XLA's count is mostly elementwise work (norms, softmax, AdamW): above ours
+    assert report["xla_flops_per_chip"] > report["model_flops_per_chip"] > 0
+    assert "ESTIMATE (roofline" in plan_lib.format_report(report)
+
+
+@pytest.mark.parametrize("scheme", ["bert_abs", "deberta_v2"])
+def test_fsdp_gathers_weights_and_tensor_keeps_them(scheme):
+    """fsdp=4: the weights are all-gathered (per layer, forward and backward) and parameters
+    are a quarter per chip, with no fp32 all-to-all inside the layer loop; tensor=4: no
+    weight is gathered, activations are all-reduced inside the layers."""
+    fsdp = tiny_text(scheme)
+    fsdp.mesh = {"data": 1, "fsdp": 4, "tensor": 1}
+    fsdp.model.scan_layers = True
+    data = plan_lib.plan(tiny_text(scheme), "v5e:2x2", progress=_quiet)
+    report = plan_lib.plan(fsdp, "v5e:2x2", progress=_quiet)
+    gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
+    # in the forward and in the backward layer loop, once per layer (2 layers)
+    assert len([c for c in gathers if c["in_loop"] and c["times"] == 2]) >= 2
+    assert report["per_chip"]["params"] < 0.5 * data["per_chip"]["params"]
+    assert not [c for c in report["collectives"] if c["kind"] == "all-to-all" and c["in_loop"]
+                and "f32" in c["dtypes"]]
+    tensor = tiny_text(scheme)
+    tensor.mesh = {"data": 1, "fsdp": 1, "tensor": 4}
+    report = plan_lib.plan(tensor, "v5e:2x2", progress=_quiet)
+    gathered = sum(c["bytes"] * c["times"] for c in report["collectives"]
+                   if c["kind"] in ("all-gather", "all-to-all"))
+    # only the argmax of the vocabulary-split logits (the MLM accuracy) is gathered: KiBs
+    assert gathered < 8 * 2 ** 10, gathered
+    assert any(c["kind"] == "all-reduce" and c["in_loop"] for c in report["collectives"])
+
+
+def test_a_step_that_does_not_fit_is_a_result_and_max_batch_brackets_the_limit():
+    config = tiny_vit("vit", batch=4)
+    config.model.update(image_size=64, patch_size=4, hidden_size=256, num_heads=4,
+                        num_layers=2, mlp_dim=1024)
+    config.data.image_size = 64
+    config.batch_size = config.eval_batch_size = 1 << 17
+    report = plan_lib.plan(config, "v5e:2x2", progress=_quiet)
+    assert not report["fits"] and report["needed_bytes"] > report["available_bytes"] > 0
+    assert "fits: NO" in plan_lib.format_report(report)
+    config.batch_size = config.eval_batch_size = 64
+    report = plan_lib.plan(config, "v5e:2x2", max_batch=True, max_batch_tolerance=0.25,
+                           progress=_quiet)
+    mb = report["max_batch"]
+    assert mb["unit"] == 4 and 64 <= mb["fits"] < mb["refused"] <= 1.25 * mb["fits"] + 4
+
+
+def test_two_slices_put_data_across_slices():
+    config = tiny_text("tupe_r")
+    config.mesh = {"data": 2, "fsdp": 4, "tensor": 1}
+    report = plan_lib.plan(config, "v5e:2x2", num_slices=2, progress=_quiet)
+    assert report["fits"] and report["chips"] == 8 and report["num_slices"] == 2
+    devices = tpu_lib.slice_devices(tpu_lib.parse_slice("v5e:2x2"), 2)
+    mesh = mesh_lib.build_mesh(config.mesh, devices)
+    for data_index in range(2):   # each data row of the mesh is one whole slice
+        assert {d.slice_index for d in mesh.devices[data_index].flat} == {data_index}
+    config.mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    with pytest.raises(ValueError, match="does not split over the 2 slices"):
+        plan_lib.plan(config, "v5e:2x2", num_slices=2, progress=_quiet)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {"XLA_FLAGS": xla_flags(), "PATH": "/usr/bin:/bin"}
+    import os
+    env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "posjax.plan", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_cli_reports_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    done = _cli("--config", "configs/mlm_bert_a.py:size=tiny", "--tpu", "v5e-4",
+                "--config.batch_size=16", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiling the train step" in done.stderr          # progress
+    assert "fits: yes" in done.stdout and "collectives per step" in done.stdout
+    assert json.loads(out.read_text())["per_chip"]["total"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tpu", "v9-8"], "--tpu 'v9-8' is unknown"),
+    (["--tpu", "v5e-4", "--config.mesh.tensor=3"], "mesh"),
+    (["--tpu", "v5e-4", "--config.batch_size=6"], "batch_size=6 is not divisible"),
+    (["--tpu", "v5e-4", "--config.model.num_heads=5"], "num_heads"),
+    (["--tpu", "v5e-4", "--config.nonsense=1"], "nonsense"),
+])
+def test_cli_bad_input_is_one_error_and_status_2(args, message):
+    done = _cli("--config", "configs/mlm_bert_a.py:size=tiny", *args)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert message in done.stderr and "Traceback" not in done.stderr
