@@ -165,14 +165,23 @@ def largest_batch(training: steps_lib.Training, start: Compiled | None, start_ba
 
 def _next_try(points: list[tuple[int, int]], lo: int, hi: int | None, unit: int, hbm: int,
               limit: int) -> int | None:
+    """The next batch to compile (see ``largest_batch``), None when none is left."""
     if not lo:   # nothing fits yet: halve the refused batch
         b = hi // 2 // unit * unit
         return b if b >= unit else None
     (b0, m0), (b1, m1) = (points[-2] if len(points) > 1 else (0, 0)), points[-1]
     slope = (m1 - m0) / (b1 - b0) if b1 != b0 else 0
     guess = b1 + (hbm - m1) / slope if slope > 0 else 2 * b1
-    upper = hi - unit if hi is not None else min(limit, 4 * lo)
-    b = int(min(max(guess, lo + unit), upper)) // unit * unit
+    trusted = b1 - b0 > unit   # the line was just proven wrong by one unit: do not crawl
+    if trusted and guess < lo + unit:   # the line says lo is the limit: check one more unit
+        b = lo + unit
+    elif hi is None:           # at most 4x the largest fitting batch per try
+        b = int(min(max(guess if trusted else 0, 2 * lo), 4 * lo, limit)) // unit * unit
+    elif trusted and lo < guess < hi:   # inside the middle half of the bracket
+        quarter = (hi - lo) / 4
+        b = int(min(max(guess, lo + quarter), hi - quarter)) // unit * unit
+    else:                      # the line is off (XLA's memory is not linear here): bisect
+        b = (lo + hi) // 2 // unit * unit
     if hi is not None and (b <= lo or b >= hi):
         b = (lo + hi) // 2 // unit * unit
     return b if lo < b <= limit and (hi is None or b < hi) else None
