@@ -63,15 +63,19 @@ def command(module: str, variant: str, model: dict, tpu: str) -> str:
     return f"python -m posjax.plan --config {spec} --tpu {tpu}{overrides} --max-batch"
 
 
-def run(out: pathlib.Path, tolerance: float, max_batch: bool) -> dict:
+def run(out: pathlib.Path, tolerance: float, max_batch: bool, slices: list[str]) -> dict:
+    """Plan every cell not in ``out`` yet (with ``max_batch``: every cell of ``slices``
+    without a largest batch), writing ``out`` after each."""
     results = json.loads(out.read_text()) if out.exists() else {}
     for (name, module, variant, model), tpu in cells():
         key = f"{name} @ {tpu}"
-        if key in results:
+        if key in results and not (max_batch and tpu in slices
+                                    and "max_batch" not in results[key]):
             continue
         start = time.perf_counter()
         print(f"== {key}", flush=True)
-        report = plan_lib.plan(recipe_config(module, variant, model), tpu, max_batch=max_batch,
+        report = plan_lib.plan(recipe_config(module, variant, model), tpu,
+                               max_batch=max_batch and tpu in slices,
                                max_batch_tolerance=tolerance, max_batch_compiles=3,
                                progress=lambda line: print("  " + line, flush=True))
         report["command"] = command(module, variant, model, tpu)
@@ -91,26 +95,25 @@ def table(results: dict) -> str:
             "| HBM (GiB) | fits | largest batch (global) | est. step (ms) | est. days to "
             "the paper's steps |", "|" + "---|" * 10]
     for (name, module, variant, model), tpu in cells():
-        if True:
-            r = results.get(f"{name} @ {tpu}")
-            if r is None:
-                rows.append(f"| {name} | {tpu} | not compiled yet: `"
-                            f"{command(module, variant, model, tpu)}` |" + " |" * 7)
-                continue
-            pc = r["per_chip"]
-            mesh = "×".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
-            mb = r.get("max_batch", {})
-            largest = (f"{mb['fits']}" + (f" (< {mb['refused']})" if mb.get("refused") else "")
-                       if mb else "not searched")
-            est = r.get("estimate")
-            step = f"{est['step_s_overlapped'] * 1e3:.0f}–{est['step_s_serial'] * 1e3:.0f}" \
-                if est else "—"
-            days = f"{est['days_to_num_steps']:.2f} ({r['num_steps']} steps)" if est else "—"
-            fits = f"yes, batch {r['batch_size']}" if r["fits"] else (
-                f"no at {r['batch_size']} (needs {_gib(r.get('needed_bytes'))})")
-            rows.append(f"| {name} | {tpu} | {mesh} | {_gib(pc['params'] + pc['opt_state'])} "
-                        f"| {_gib(pc.get('total'))} | {r['chip']['hbm_bytes'] / 2 ** 30:.0f} | "
-                        f"{fits} | {largest} | {step} | {days} |")
+        r = results.get(f"{name} @ {tpu}")
+        if r is None:
+            rows.append(f"| {name} | {tpu} | not compiled yet: `"
+                        f"{command(module, variant, model, tpu)}` |" + " |" * 7)
+            continue
+        pc = r["per_chip"]
+        mesh = "×".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        mb = r.get("max_batch", {})
+        largest = (f"{mb['fits']}" + (f" (< {mb['refused']})" if mb.get("refused") else "")
+                   if mb else "not searched")
+        est = r.get("estimate")
+        step = f"{est['step_s_overlapped'] * 1e3:.0f}–{est['step_s_serial'] * 1e3:.0f}" \
+            if est else "—"
+        days = f"{est['days_to_num_steps']:.2f} ({r['num_steps']} steps)" if est else "—"
+        fits = f"yes, batch {r['batch_size']}" if r["fits"] else (
+            f"no at {r['batch_size']} (needs {_gib(r.get('needed_bytes'))})")
+        rows.append(f"| {name} | {tpu} | {mesh} | {_gib(pc['params'] + pc['opt_state'])} "
+                    f"| {_gib(pc.get('total'))} | {r['chip']['hbm_bytes'] / 2 ** 30:.0f} | "
+                    f"{fits} | {largest} | {step} | {days} |")
     return "\n".join(rows)
 
 
@@ -121,10 +124,12 @@ def main() -> None:
                         help="write the table between the markers of this Markdown file")
     parser.add_argument("--max-batch", action="store_true",
                         help="also search each cell's largest batch (3 more compiles a cell)")
+    parser.add_argument("--max-batch-slices", default=",".join(SLICES),
+                        help="comma-separated slices whose cells get --max-batch")
     parser.add_argument("--tolerance", type=float, default=0.25,
                         help="largest batch to within this fraction (1 unit: 0)")
     args = parser.parse_args()
-    results = run(args.out, args.tolerance, args.max_batch)
+    results = run(args.out, args.tolerance, args.max_batch, args.max_batch_slices.split(","))
     text = table(results)
     print(text)
     if args.doc:
