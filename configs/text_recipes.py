@@ -7,6 +7,11 @@ Paper scale (BERT-base, as in TUPE's and DeBERTa's comparisons): 12 layers × 76
 decoupled weight decay 0.01, gradient clipping at norm 1, dropout 0.1. GLUE fine-tuning: batch
 32, lr 2e-5, 3 epochs, 10% warmup, linear decay, weight decay 0.01.
 
+Slices: every base recipe (bf16 compute, fp32 state, the default ``data=-1`` mesh) fits a
+v4-32, a v5e-256 and a v5p-128 at its batch of 256, DeBERTa-v3 at 512 tokens included
+(20.4 of 32 GiB per v4 chip); check another slice or override before renting it with
+``python -m posjax.plan --config configs/mlm_<scheme>.py --tpu <slice>`` (docs/tpu.md).
+
 Schemes (``scheme`` argument): every text scheme of the scheme table
 (``posjax/models/schemes.py``), by its short alias where it has one: ``bert_a`` (learned
 absolute positions), ``bert_r`` (+ T5 relative bias), ``tupe_a``, ``tupe_r`` (untied
