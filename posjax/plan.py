@@ -78,6 +78,9 @@ def _needed_bytes(message: str) -> tuple[int | None, int | None]:
 def validate(config: ml_collections.ConfigDict) -> None:
     """What the plan can check without data: the training keys and the model (one ValueError
     naming the field). The data itself (files, tokenizer) is train.py's to check."""
+    if "cells" in config and "base" in config:
+        raise ValueError("the --config is a study grid (python -m posjax.study), not a run: plan "
+                         "the training config of one of its cells instead")
     run_config.validate_training_config(config)
     make_task(config).validate_model()
 
