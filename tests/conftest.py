@@ -12,15 +12,28 @@ import signal  # noqa: E402
 
 import pytest  # noqa: E402
 
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+REQUIRE_DATA_ENV = "POSJAX_REQUIRE_DATA"   # CI sets it: a missing data folder fails, not skips
+
+
+def data_required() -> bool:
+    """True when ``$POSJAX_REQUIRE_DATA`` is set to anything but '' or '0' (CI)."""
+    return os.environ.get(REQUIRE_DATA_ENV, "") not in ("", "0")
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> pathlib.Path:
-    """../shared/data (real datasets); tests needing it skip when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data folder {SHARED_DATA} is absent")
-    return SHARED_DATA
+    """The real datasets: ``$POSJAX_DATA``, else ../shared/data (``config_defaults.data_root``,
+    where configs/ look too). Absent: tests needing it skip with one line, or fail where
+    ``$POSJAX_REQUIRE_DATA`` is set (CI), so that they never silently stop running there."""
+    from posjax.config_defaults import DATA_ENV, data_root   # here: it imports jax
+    folder = pathlib.Path(data_root())
+    if not folder.is_dir():
+        how = f"set {DATA_ENV} to the folder holding the datasets (README, Tests)"
+        if data_required():
+            pytest.fail(f"real data folder {folder} is absent and {REQUIRE_DATA_ENV} is set: "
+                        f"{how}", pytrace=False)
+        pytest.skip(f"real data folder {folder} is absent: {how}")
+    return folder
 
 
 @pytest.fixture

@@ -268,9 +268,11 @@ def test_ab_imports_an_older_revision_as_its_own_package(tmp_path):
     assert old.layers.attention.__name__.startswith(old.__name__)   # imports rewritten
 
 
-def test_sharding_smoke_measures_the_partitioned_step(tmp_path, capsys):
+def test_sharding_smoke_measures_the_partitioned_step(tmp_path, capsys, shared_data):
     """bench.sharding on the test process's 8 devices: our embedding lookup is not
-    rematerialised, and the step's temporaries and collectives are read back."""
+    rematerialised, and the step's temporaries and collectives are read back. The run is
+    set up from configs/mlm_*.py:tiny, whose checks need the BERT vocabulary
+    (``shared_data``)."""
     from bench import sharding
     out = tmp_path / "sharding.md"
     assert sharding.main(["--smoke", "--out", str(out)]) == 0

@@ -139,9 +139,10 @@ def test_bad_study_configs_are_one_clear_error(edit, words, tmp_path, capsys):
     ("base_overrides", (("data.test_split", "test[9000:]"),),
      "data.test_split='test[9000:]' holds examples of 1 of the 10 classes"),
 ])
-def test_image_study_splits_are_checked_before_any_cell(field, split, words):
+def test_image_study_splits_are_checked_before_any_cell(field, split, words, shared_data):
     """A slice of the class-ordered CIFAR-10 file that drops classes (the transfer's too,
-    which is read only after training) is refused before anything trains."""
+    which is read only after training) is refused before anything trains. The check reads
+    the real CIFAR-10 files under config.data_root (``shared_data``)."""
     study = load_config_file(VIT)
     if field == "base_overrides":
         study.base_overrides = tuple(study.base_overrides) + split
@@ -220,7 +221,9 @@ sys.exit(main(["--config", sys.argv[3] + ":tiny", "--workdir", str(tmp / "vit")]
 """
 
 
-def test_tiny_studies_end_to_end(tmp_path):
+def test_tiny_studies_end_to_end(tmp_path, shared_data):
+    """Needs the real data (WikiText-2, the BERT vocabulary, GLUE MRPC, CIFAR-10): the study
+    configs read it under config.data_root, which the subprocess gets from os.environ."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

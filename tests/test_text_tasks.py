@@ -197,9 +197,10 @@ def test_glue_from_mlm_encoder(mlm_run, shared_data, tmp_path, caplog):
         run_setup.prepare(config, tmp_path / "glue_other_vocabulary", training=True)
 
 
-def test_glue_from_converted_encoder(tmp_path):
+def test_glue_from_converted_encoder(tmp_path, shared_data):
     """A published encoder imported without its head (converter task 'encoder', params rooted
-    at ['embeddings']) lands in the GLUE model's params['encoder']."""
+    at ['embeddings']) lands in the GLUE model's params['encoder']. The recipe's MRPC files and
+    BERT vocabulary lie under config.data_root (``shared_data``)."""
     from posjax.convert import Pretrained, save_checkpoint
     from posjax.models.config import TextConfig
     from posjax.models.text import TextEncoder

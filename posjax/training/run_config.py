@@ -40,7 +40,7 @@ RESUME_KEYS = OPERATIONAL_KEYS + ("num_steps",)
 # Keys eval.py may set differently from the run's config.json besides OPERATIONAL_KEYS: how and
 # from where evaluation reads its data, and at which text length (length extrapolation:
 # relative schemes at any length; an absolute table has no rows beyond its own, which
-# text_tasks.check_text_model refuses unless model.extend_positions says how to extend it).
+# text_tasks.validate_model refuses unless model.extend_positions says how to extend it).
 # Every other key defines the model or its saved state.
 EVAL_KEYS = OPERATIONAL_KEYS + ("num_steps", "batch_size", "microbatches", "data.path",
                                 "data.data_dir", "data.glue_dir", "data.text_files",

@@ -4,12 +4,10 @@ A task is a class bound to one run's config (``task = make_task(config)`` picks 
 registered under ``config.task`` and calls ``cls(config)``). Subclass :class:`Task`, decorate it
 with ``@register_task``, and implement:
 
-``validate()``
-    Raise one ``ValueError`` for a bad model/data/task config (naming field, value and fix).
-    Called before anything is compiled or written. The constructor itself must not raise.
-``validate_model()`` (optional)
-    The checks of ``validate`` that need no data (files, tokenizer): what
-    ``python -m posjax.plan`` can check on a machine without the run's data. Default: none.
+``validate()``, ``validate_model()`` (optional)
+    Raise one ``ValueError`` for a bad model/data/task config (naming field, value and fix),
+    before anything is compiled or written; ``validate_model`` only the checks that need no
+    data files (``python -m posjax.plan``'s; default none). The constructor must not raise.
 ``build_model() -> nn.Module``
     The Flax module, from ``config.model``.
 ``dummy_batch(batch_size) -> dict[str, np.ndarray]``
@@ -215,8 +213,8 @@ class ImageClassification(Task):
         return float(self.config.data.get("mixup_alpha", 0.0)) > 0
 
     def validate(self) -> None:
-        self.validate_model()
         from posjax.data import validate_data_config
+        self.validate_model()
         validate_data_config(self.config.data)
 
     def validate_model(self) -> ViTConfig:
@@ -283,26 +281,20 @@ class ImageClassification(Task):
         pipeline = make_image_pipeline(self.config.data, split=split, batch_size=batch_size,
                                        seed=seed, train=train, shard_index=shard_index,
                                        shard_count=shard_count)
-        check_data_fits_model(pipeline.num_classes, pipeline.image_shape, self.model_config,
-                              self.config.data.get("name", "the dataset"))
+        # The dataset's classes and image channels must be the model's (validate: the size).
+        cfg, data = self.model_config, self.config.data.get("name", "the dataset")
+        classes, channels = pipeline.num_classes, pipeline.image_shape[2]
+        if classes != cfg.num_classes:
+            raise ValueError(f"model.num_classes={cfg.num_classes} but {data} has {classes} "
+                             f"classes: set --config.model.num_classes={classes}")
+        if channels != cfg.num_channels:
+            raise ValueError(f"model.num_channels={cfg.num_channels} but {data} images have "
+                             f"{channels} channel{'s' if channels != 1 else ''}: set "
+                             f"--config.model.num_channels={channels}")
         return pipeline
 
     def train_flops(self) -> flops.Flops:
         return flops.vit_train_flops(self.model_config)
-
-
-def check_data_fits_model(num_classes: int, image_shape: tuple[int, int, int], cfg: ViTConfig,
-                          data_name: str) -> None:
-    """The dataset's classes and image channels (of images (H, W, C)) must be the model's
-    num_classes and num_channels (``validate`` compares the sizes): one ValueError naming the
-    model field and its fix."""
-    if num_classes != cfg.num_classes:
-        raise ValueError(f"model.num_classes={cfg.num_classes} but {data_name} has "
-                         f"{num_classes} classes: set --config.model.num_classes={num_classes}")
-    if image_shape[2] != cfg.num_channels:
-        raise ValueError(f"model.num_channels={cfg.num_channels} but {data_name} images have "
-                         f"{image_shape[2]} channel{'s' if image_shape[2] != 1 else ''}: set "
-                         f"--config.model.num_channels={image_shape[2]}")
 
 
 def model_config_from(cls: type[ConfigT], model: Any) -> ConfigT:

@@ -48,17 +48,6 @@ def token_cross_entropy(logits: Array, targets: Array) -> Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def check_text_model(cfg: TextConfig, tokenizer: TextTokenizer, length: int,
-                     length_field: str) -> None:
-    """The tokenizer's ids must fit the embedding table, the sequences the position table
-    (every scheme with a table looks positions up in it; DeBERTa without one has none)."""
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer.vocab_size} ids ({tokenizer.path}): set model.vocab_size "
-                         f">= {tokenizer.vocab_size}")
-    position_tables.check_length(cfg, length, length_field)
-
-
 def text_inputs(batch: Mapping[str, Array]) -> dict[str, Array]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
             "token_type_ids": batch["token_type_ids"]}
@@ -107,17 +96,18 @@ class _TextTask(Task):
         return (model if cfg == self.model_config else self.build_model(cfg)), params
 
     def check_model(self) -> TextConfig:
-        """Tokenizer ids and data.max_seq_length must fit the model's tables, and
-        ``validate_model``'s checks."""
-        cfg = self.validate_model()
-        check_text_model(cfg, self.tokenizer, int(self.config.data.max_seq_length),
-                         "data.max_seq_length")
+        """``validate_model``'s checks, and the tokenizer's ids must fit the embedding table."""
+        cfg, vocab = self.validate_model(), self.tokenizer
+        if vocab.vocab_size > cfg.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                             f"{vocab.vocab_size} ids ({vocab.path}): set model.vocab_size "
+                             f">= {vocab.vocab_size}")
         return cfg
 
     def validate_model(self) -> TextConfig:
-        """Without the data: data.max_seq_length must fit the position table; no setting the
-        position scheme does not read (``unread_scheme_settings``) and no label_smoothing (an
-        image-classification key the text losses do not apply): each would change nothing."""
+        """Without the data: data.max_seq_length fits the position table (every scheme with a
+        table looks positions up in it); no setting the position scheme does not read
+        (``unread_scheme_settings``) and no label_smoothing (the text losses ignore it)."""
         smoothing = self.config.get("label_smoothing", 0.0)
         if smoothing:
             raise ValueError(f"label_smoothing={smoothing!r}: the {self.name} task trains on "
