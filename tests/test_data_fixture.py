@@ -33,11 +33,12 @@ def run_pytest(tmp_path: pathlib.Path, data: pathlib.Path, require: str | None) 
         env["POSJAX_REQUIRE_DATA"] = require
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rsE", "-p", "no:cacheprovider", "-n", "0",
+         "-p", "no:benchmark",
          "-p", "conftest",   # tests/conftest.py, from PYTHONPATH: the fixture under test
          "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
          str(tmp_path / "test_needs_data.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    return done.stdout + done.stderr
+    return done.stderr + done.stdout   # pytest's summary line last (warnings go to stderr)
 
 
 def outcome_line(out: str, word: str) -> str:

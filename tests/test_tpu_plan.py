@@ -83,10 +83,10 @@ def test_fsdp_gathers_weights_and_tensor_keeps_them(scheme):
     """fsdp=4: the weights are all-gathered (per layer, forward and backward) and parameters
     are a quarter per chip, with no fp32 all-to-all inside the layer loop; tensor=4: no
     weight is gathered, activations are all-reduced inside the layers."""
-    fsdp = tiny_text(scheme, layers=2)
+    fsdp = tiny_text(scheme)
     fsdp.mesh = {"data": 1, "fsdp": 4, "tensor": 1}
     fsdp.model.scan_layers = True
-    data = plan_lib.plan(tiny_text(scheme, layers=2), "v5e:2x2", progress=_quiet)
+    data = plan_lib.plan(tiny_text(scheme), "v5e:2x2", progress=_quiet)
     report = plan_lib.plan(fsdp, "v5e:2x2", progress=_quiet)
     gathers = [c for c in report["collectives"] if c["kind"] == "all-gather"]
     # in the forward and in the backward layer loop, once per layer (2 layers)
@@ -94,7 +94,7 @@ def test_fsdp_gathers_weights_and_tensor_keeps_them(scheme):
     assert report["per_chip"]["params"] < 0.5 * data["per_chip"]["params"]
     assert not [c for c in report["collectives"] if c["kind"] == "all-to-all" and c["in_loop"]
                 and "f32" in c["dtypes"]]
-    tensor = tiny_text(scheme, layers=2)
+    tensor = tiny_text(scheme)
     tensor.mesh = {"data": 1, "fsdp": 1, "tensor": 4}
     tensor.model.scan_layers = True
     report = plan_lib.plan(tensor, "v5e:2x2", progress=_quiet)

@@ -12,10 +12,11 @@ from posjax.models.schemes import SCHEMES
 VIT_SCHEMES = ("vit", "sincos2d", "rope", "alibi", "deberta_v2")
 
 
-def tiny_text(scheme: str, batch: int = 16, layers: int = 1) -> ml_collections.ConfigDict:
-    """The tiny MLM recipe of ``scheme`` at width 32, ``layers`` layers, 64 tokens."""
+def tiny_text(scheme: str, batch: int = 16) -> ml_collections.ConfigDict:
+    """The tiny MLM recipe of ``scheme`` at width 32, 2 layers (DeBERTa's enhanced mask
+    decoder needs 2), 64 tokens."""
     config = mlm_config(SCHEMES[scheme].alias or scheme, "size=tiny")
-    config.model.update(hidden_size=32, num_heads=2, num_layers=layers, mlp_dim=64,
+    config.model.update(hidden_size=32, num_heads=2, num_layers=2, mlp_dim=64,
                         vocab_size=512)
     config.data.max_seq_length = 64
     config.batch_size = config.eval_batch_size = batch
