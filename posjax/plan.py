@@ -39,9 +39,9 @@ from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
 
 from posjax import tpu as tpu_lib  # noqa: E402
+from posjax.training import errors  # noqa: E402
 from posjax.training import mesh as mesh_lib  # noqa: E402
 from posjax.training import run_config  # noqa: E402
 from posjax.training import steps as steps_lib  # noqa: E402
@@ -83,16 +83,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          "the training config of one of its cells instead")
     run_config.validate_training_config(config)
     make_task(config).validate_model()
-
-
-def shard_bytes(tree: Any, device: Any) -> int:
-    """Bytes of ``tree``'s (ShapeDtypeStructs with shardings) shards on ``device``."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        index = leaf.sharding.devices_indices_map(leaf.shape)[device]
-        size = math.prod(len(range(n)[i]) for i, n in zip(index, leaf.shape))
-        total += size * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 @dataclasses.dataclass
@@ -222,8 +212,8 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
              f"{config.batch_size // feeds.count} examples")
     training = steps_lib.build_training(config, mesh)
     device0 = mesh.devices.flat[0]
-    params = shard_bytes(training.abstract.params, device0)
-    opt_state = shard_bytes(training.abstract.opt_state, device0)
+    params = errors.bytes_per_device(training.abstract.params, device0)
+    opt_state = errors.bytes_per_device(training.abstract.opt_state, device0)
     chips = len(devices)
     flops = training.task.train_flops().total(config.batch_size)
     report: dict[str, Any] = {
@@ -245,7 +235,7 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
         report["fits"] = True
         report["compile_s"] = compiled.compile_s
         report["per_chip"].update(
-            batch=shard_bytes(training.abstract_batch(config.batch_size), device0),
+            batch=errors.bytes_per_device(training.abstract_batch(config.batch_size), device0),
             temporaries=memory["temp"],
             code=memory["generated_code"], total=memory["total"],
             headroom=tpu.chip.hbm_bytes - memory["total"])
@@ -267,12 +257,7 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
 
 
 def _size(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= scale / 8:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+    return "?" if n is None else ("-" if n < 0 else "") + errors.byte_size(abs(n))
 
 
 def collective_rows(collectives: list[dict[str, Any]]) -> list[tuple[str, int, float, bool]]:
@@ -366,10 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = plan(f.config, f.tpu, f.num_slices, f.max_batch,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except RuntimeError as e:
+    except (ValueError, RuntimeError) as e:   # bad input; libtpu missing
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_report(report))

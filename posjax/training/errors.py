@@ -108,10 +108,11 @@ def _alternatives(options: list[str]) -> str:
     return ", ".join(options[:-1]) + ", or " + options[-1]
 
 
-def bytes_per_device(abstract: Any) -> int | None:
-    """Bytes of ``abstract``'s (ShapeDtypeStructs with shardings) shards on this process's first
-    device; None when a leaf's cannot be told (an extended dtype, an uneven sharding)."""
-    device = jax.local_devices()[0]
+def bytes_per_device(abstract: Any, device: Any = None) -> int | None:
+    """Bytes of ``abstract``'s (ShapeDtypeStructs with shardings) shards on ``device`` (default
+    this process's first); None when a leaf's cannot be told (an extended dtype, an uneven
+    sharding)."""
+    device = jax.local_devices()[0] if device is None else device
     total = 0
     try:
         for leaf in jax.tree.leaves(abstract):
