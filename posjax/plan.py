@@ -5,6 +5,10 @@ the slice (ahead of time, on any machine with libtpu) and report what each chip 
     python -m posjax.plan --config configs/vit_imagenet.py:b16 --tpu v5e-16 --max-batch
     python -m posjax.plan --config configs/mlm_deberta.py --tpu v5p-128 --num-slices 2 \\
         --config.mesh.fsdp=8 --json plan.json
+    python -m posjax.plan --config configs/study_text.py:paper --tpu v4-32   # a study grid
+
+A study grid config is planned entry by entry (each entry's seed-1 run): fits, per-chip
+memory, the estimated step, the days per run, and the whole grid's days on the slice.
 
 It builds the step with ``steps.build_training`` (the function train.py's set-up calls: same
 model, optimizer, state shardings and jitted step) on a mesh of the slice's compile-only
@@ -75,12 +79,14 @@ def _needed_bytes(message: str) -> tuple[int | None, int | None]:
     return (size(m[1], m[2]), size(m[3], m[4])) if m else (None, None)
 
 
+def is_study(config: ml_collections.ConfigDict) -> bool:
+    """A study grid config (``python -m posjax.study``), planned entry by entry."""
+    return "cells" in config and "base" in config
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """What the plan can check without data: the training keys and the model (one ValueError
     naming the field). The data itself (files, tokenizer) is train.py's to check."""
-    if "cells" in config and "base" in config:
-        raise ValueError("the --config is a study grid (python -m posjax.study), not a run: plan "
-                         "the training config of one of its cells instead")
     run_config.validate_training_config(config)
     make_task(config).validate_model()
 
@@ -256,6 +262,54 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
     return report
 
 
+def plan_study(study: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
+               progress: Progress = print) -> dict[str, Any]:
+    """Every entry of a study grid planned on the slice (its seed-1 training config): whether
+    it fits, and the estimated time of one of its runs; the grid's runs per entry (the sweep's
+    rates plus the later seeds) turn that into the whole grid's chip time."""
+    from posjax.study import cells as cells_lib
+    from posjax.study.spec import StudyConfigError, check_study, sweep_rates
+
+    try:
+        base, cells = check_study(study)
+    except StudyConfigError as e:
+        raise ValueError(str(e)) from None
+    runs_per_entry = len(sweep_rates(study)[0]) + study.seeds - bool(sweep_rates(study)[0])
+    entries: dict[str, Any] = {}
+    for cell in cells:
+        if cell.name in entries or cell.pending:
+            continue
+        progress(f"[study] planning {cell.name} ({len(entries) + 1} of "
+                 f"{len({c.name for c in cells})})")
+        report = plan(cells_lib.main_config(base, cell), tpu_name, num_slices,
+                      progress=progress)
+        days = report.get("estimate", {}).get("days_to_num_steps")
+        entries[cell.name] = {"fits": report["fits"], "per_chip_total": report["per_chip"].get(
+            "total"), "step_s": report.get("estimate", {}).get("step_s_overlapped"),
+            "days_per_run": days, "report": report}
+    total = [e["days_per_run"] for e in entries.values() if e["days_per_run"] is not None]
+    return {"tpu": tpu_name, "num_slices": num_slices, "entries": entries,
+            "runs_per_entry": runs_per_entry,
+            "grid_days": runs_per_entry * sum(total) if len(total) == len(entries) else None,
+            "fits": all(e["fits"] for e in entries.values())}
+
+
+def format_study(report: dict[str, Any]) -> str:
+    lines = [f"== study grid on {report['tpu']} ({report['num_slices']} slice(s)): "
+             f"{len(report['entries'])} entries x {report['runs_per_entry']} runs each",
+             f"{'entry':<22} {'fits':<5} {'per chip':>10} {'step (est.)':>12} "
+             f"{'days per run (est.)':>20}"]
+    for name, e in report["entries"].items():
+        step = "-" if e["step_s"] is None else f"{e['step_s'] * 1e3:.1f} ms"
+        days = "-" if e["days_per_run"] is None else f"{e['days_per_run']:.2f}"
+        lines.append(f"{name:<22} {'yes' if e['fits'] else 'NO':<5} "
+                     f"{_size(e['per_chip_total']):>10} {step:>12} {days:>20}")
+    if report["grid_days"] is not None:
+        lines.append(f"whole grid >= {report['grid_days']:.2f} days of this slice (ESTIMATE: "
+                     "roofline step times, one run after another; evaluation not counted)")
+    return "\n".join(lines)
+
+
 def _size(n: float | None) -> str:
     return "?" if n is None else ("-" if n < 0 else "") + errors.byte_size(abs(n))
 
@@ -348,13 +402,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give --config FILE[:variant] and --tpu NAME (e.g. --tpu v4-32)",
               file=sys.stderr)
         return EXIT_BAD_INPUT
+    progress = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
     try:
-        report = plan(f.config, f.tpu, f.num_slices, f.max_batch,
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if is_study(f.config):
+            report = plan_study(f.config, f.tpu, f.num_slices, progress=progress)
+        else:
+            report = plan(f.config, f.tpu, f.num_slices, f.max_batch, progress=progress)
     except (ValueError, RuntimeError) as e:   # bad input; libtpu missing
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(format_report(report))
+    print(format_study(report) if is_study(f.config) else format_report(report))
     if f.json:
         with open(f.json, "w") as out:
             json.dump(report, out, indent=1)

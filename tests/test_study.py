@@ -19,7 +19,7 @@ from posjax.study.spec import StudyConfigError, check_study, load_config_file
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = str(ROOT / "configs" / "study_text.py")
 VIT = str(ROOT / "configs" / "study_vit.py")
-VERDICTS = {"reproduced", "not reproduced", "inconclusive"}
+VERDICTS = set(report.VERDICTS)
 
 
 def _finite(x):
@@ -55,19 +55,94 @@ def test_cost_ratios_are_taken_within_each_round():
     assert out["y"]["time_ratio"] == 0.5 and out["y"]["time_ratio_max"] == pytest.approx(0.6)
 
 
+def test_equivalence_holm_and_mean_interval_on_known_numbers():
+    m = stats.mean_interval([0.5, 1.0, 0.5])
+    assert m["se"] == pytest.approx(np.std([0.5, 1.0, 0.5], ddof=1) / math.sqrt(3))
+    assert (m["low"], m["high"]) == pytest.approx((2 / 3 - 4.302652729911275 * m["se"],
+                                                   2 / 3 + 4.302652729911275 * m["se"]))
+    assert math.isnan(stats.mean_interval([1.0])["low"])
+    # one-sided t: t = mean / se with n - 1 degrees of freedom
+    from scipy import stats as sp
+    assert stats.one_sided_p(0.3, 0.1, 5) == pytest.approx(sp.t.sf(3.0, 4))
+    # TOST: the larger one-sided p; the near bound (0.5 - 0.1) / 0.05 = 8 standard errors away
+    assert stats.tost(0.1, 0.05, 6, 0.5) == pytest.approx(sp.t.sf(8.0, 5))
+    assert stats.tost(0.1, 0.05, 6, 0.1) == pytest.approx(0.5)
+    h = stats.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": float("nan")})
+    assert [h[k]["p_adjusted"] for k in "abc"] == pytest.approx([0.03, 0.06, 0.06])
+    assert h["a"]["rejected"] and not h["b"]["rejected"] and not h["d"]["rejected"]
+    assert stats.paired({1: 1.0}, {1: 0.0})["why"] == "n = 1: no interval"
+
+
+def _rec(name, seed, loss, acc=0.5):
+    return {"name": name, "seed": seed, "status": "ok", "cell": f"{name}-s{seed}",
+            "final": {"loss": loss, "accuracy": acc}}
+
+
 def test_claim_rules_decide_from_numbers():
-    rec = lambda name, seed, loss: {"name": name, "seed": seed, "status": "ok",   # noqa: E731
-                                    "final": {"loss": loss}}
-    groups = {"a": [rec("a", s, v) for s, v in ((1, 1.0), (2, 1.1), (3, 1.05))],
-              "b": [rec("b", s, v) for s, v in ((1, 2.0), (2, 2.2), (3, 2.1))]}
+    groups = {"a": [_rec("a", s, v) for s, v in ((1, 1.0), (2, 1.1), (3, 1.05), (4, 1.0))],
+              "b": [_rec("b", s, v) for s, v in ((1, 2.0), (2, 2.2), (3, 2.1), (4, 2.05))]}
     claim = {"claim": "a better", "a": "a", "b": "b", "metric": "final.loss", "better": "lower"}
     assert report.decide(claim, groups, {})["verdict"] == "reproduced"
-    assert report.decide({**claim, "better": "higher"}, groups, {})["verdict"] == "not reproduced"
-    assert report.decide({**claim, "rule": "same"}, groups, {})["verdict"] == "not reproduced"
-    assert report.decide({**claim, "b": "c"}, groups, {})["verdict"] == "inconclusive"
-    conv = {"a": {"ratio": 0.25}}
-    assert report.decide({**claim, "rule": "convergence", "at_most": 0.3}, groups,
-                         conv)["verdict"] == "reproduced"
+    assert report.decide({**claim, "better": "higher"}, groups, {})["verdict"] == "contradicted"
+    # a 'same' claim: the interval lies outside the margin -> contradicted; a wide margin holds
+    assert report.decide({**claim, "rule": "same", "margin": 0.1}, groups,
+                         {})["verdict"] == "contradicted"
+    assert report.decide({**claim, "rule": "same", "margin": 2.0}, groups,
+                         {})["verdict"] == "reproduced"
+    # an underpowered 'same' (interval covers 0 but is wider than the margin) decides nothing
+    noisy = {"a": [_rec("a", s, v) for s, v in ((1, 1.0), (2, 1.5), (3, 0.6))],
+             "b": [_rec("b", s, 1.0) for s in (1, 2, 3)]}
+    assert report.decide({**claim, "rule": "same", "margin": 0.05}, noisy,
+                         {})["verdict"] == "undecidable at this scale"
+    assert report.decide({**claim, "b": "c"}, groups, {})["verdict"] == \
+        "undecidable at this scale"
+    # the gate: an MLM claim is undecidable while an entry is not below the bigram
+    gated = report.decide(claim, groups, {}, {"baselines": {"bigram": 1.5}})
+    assert gated["verdict"] == "undecidable at this scale" and "bigram" in gated["undecidable"]
+    at_chance = report.decide({**claim, "metric": "final.accuracy", "better": "higher"}, groups,
+                              {}, {"chance": 0.5})
+    assert "at chance" in at_chance["undecidable"]
+    glue = report.decide({**claim, "metric": "glue_mean"}, groups, {}, {"glue_tasks": []})
+    assert "GLUE is off" in glue["undecidable"]
+    # convergence: a t-interval of the per-seed ratios
+    conv = {"a": {"ratios": {1: 0.25, 2: 0.2, 3: 0.22}, "steps": {1: 25, 2: 20, 3: 22}}}
+    rule = {**claim, "rule": "convergence", "at_most": 0.3}
+    assert report.decide(rule, groups, conv)["verdict"] == "reproduced"
+    slower = {"a": {"ratios": {1: 0.55, 2: 0.6, 3: 0.58}, "steps": {1: 55, 2: 60, 3: 58}}}
+    assert report.decide(rule, groups, slower)["verdict"] == \
+        "effect smaller than the paper's (excluded)"
+    # Holm across claims: three p-values of 0.02 each are not all significant together
+    weak = {"a": [_rec("a", s, v) for s, v in ((1, 0.9), (2, 1.0), (3, 0.7))],
+            "b": [_rec("b", s, 1.0) for s in (1, 2, 3)]}
+    alone = report.decide(claim, weak, {})
+    family = report.decide_all([claim] * 3, weak, {}, {})
+    assert alone["holm"]["p_adjusted"] == pytest.approx(alone["effect"]["p"])
+    assert family[0]["holm"]["p_adjusted"] == pytest.approx(3 * alone["effect"]["p"])
+
+
+def test_sweep_cells_and_the_chosen_rate(tmp_path):
+    from posjax.study import cells as cells_lib
+    from posjax.study.grid import chosen_rate
+
+    study = load_config_file(TEXT + ":tiny")
+    _, cells = check_study(study)
+    sweep = [c for c in cells if c.sweep]
+    assert [c.id for c in sweep[:2]] == ["bert_abs-lr0.001", "tupe_a-lr0.001"]
+    assert all(c.seed == 1 for c in sweep) and cells.index(sweep[-1]) < len(sweep)
+    assert [c.id for c in cells[len(sweep):]][:2] == ["bert_abs-s2", "tupe_a-s2"]
+    rate, why = chosen_rate(tmp_path, study, "bert_abs")
+    assert rate is None and "has not finished" in why
+    for lr, loss in ((1e-3, 2.0), (3e-3, 1.5)):
+        cells_lib.write_json(cells_lib.results_file(tmp_path, f"bert_abs-lr{lr:g}"),
+                             {"status": "ok", "held_out": {"1": {"loss": loss}}})
+    assert chosen_rate(tmp_path, study, "bert_abs") == (3e-3, "")
+    cells_lib.write_json(cells_lib.results_file(tmp_path, "bert_abs-lr0.003"),
+                         {"status": "failed"})
+    assert chosen_rate(tmp_path, study, "bert_abs") == (1e-3, "")
+    study.claims.append(dict(claim="x", a="bert_abs", b="nope", metric="final.loss",
+                             rule="same"))
+    with pytest.raises(StudyConfigError, match="margin"):
+        check_study(study)
 
 
 def test_convergence_pairs_each_seed_with_its_baseline(tmp_path):
@@ -94,9 +169,12 @@ def test_convergence_pairs_each_seed_with_its_baseline(tmp_path):
     assert conv["slow"]["steps"][1] is None and conv["slow"]["reached"] == "1/2"
     assert conv["slow"]["ratio"] is None
     claim = {"claim": "fast", "a": "slow", "b": "base", "rule": "convergence"}
-    assert report.decide(claim, groups, conv)["verdict"] == "not reproduced"
-    assert report.decide({**claim, "a": "fast", "at_most": 0.9}, groups, conv)["verdict"] == \
-        "reproduced"
+    slow = report.decide(claim, groups, conv)
+    assert slow["verdict"] == "not shown" and "never reached the target in seeds [1]" in \
+        slow["measured"]
+    fast = report.decide({**claim, "a": "fast", "at_most": 0.9}, groups, conv)
+    assert fast["effect"]["n"] == 2 and fast["effect"]["mean"] == pytest.approx(
+        conv["fast"]["ratio"])
 
 
 def test_synthetic_tasks_are_deterministic_and_positional():
@@ -184,9 +262,8 @@ def _check_common(rep, manifest_cells, runnable):
     assert rep["cost"][rep["baseline"]]["time_ratio"] == 1.0
     assert rep["claims"] and all(c["verdict"] in VERDICTS for c in rep["claims"])
     for c in rep["claims"]:
-        if "paired" in c:
-            assert c["paired"]["n"] >= 1 and str(round(c["paired"]["mean"], 4))[:4] in \
-                c["measured"].replace("+", "")
+        if c.get("metric") != "glue_mean":
+            assert c["effect"]["n"] >= 1 and f"{c['effect']['mean']:+.4f}" in c["measured"]
 
 
 # The grids run in one subprocess with one CPU device (the test processes simulate 8, which
@@ -222,8 +299,8 @@ sys.exit(main(["--config", sys.argv[3] + ":tiny", "--workdir", str(tmp / "vit")]
 
 
 def test_tiny_studies_end_to_end(tmp_path, shared_data):
-    """Needs the real data (WikiText-2, the BERT vocabulary, GLUE MRPC, CIFAR-10): the study
-    configs read it under config.data_root, which the subprocess gets from os.environ."""
+    """Needs the real data (tiny Shakespeare, MNIST): the study configs read it under the data
+    root, which the subprocess gets from os.environ."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -234,40 +311,61 @@ def test_tiny_studies_end_to_end(tmp_path, shared_data):
     text = tmp_path / "text"
     log = json.loads((tmp_path / "log.json").read_text())
     lines = log["lines"]
-    assert any("broken-s1 FAILED" in line and "warmup_steps" in line for line in lines)
+    assert any("broken-lr0.001 FAILED" in line and "warmup_steps" in line for line in lines)
+    assert any("broken-s2 waits: every sweep cell of 'broken' failed" in line for line in lines)
     # rerun: everything finished is skipped (the broken cells are retried and fail again)
-    assert log["again"] == ["broken-s1", "broken-s2"]
-    first = "bert_abs-s1"
+    assert log["again"] == ["broken-lr0.001", "broken-lr0.003"]
+    first = "bert_abs-s2"
     rec = json.loads((text / "results" / f"{first}.json").read_text())
     curve = (text / "results" / f"{first}_curve.csv").read_text().splitlines()
     assert curve[0].startswith("step,train_loss") and len(curve) >= 3
-    assert rec["status"] == "ok" and _finite(rec["final"]["loss"])
+    assert rec["status"] == "ok" and _finite(rec["held_out"]["1"]["loss"])
+    assert rec["learning_rate"] in (1e-3, 3e-3) and not rec["sweep"]
+    # provenance: the commit and every stage's full config
+    assert len(rec["provenance"]["git_commit"]) == 40
+    assert set(rec["configs"]) == {"main", "synth_shift"}
+    assert rec["configs"]["main"]["optimizer"]["learning_rate"] == rec["learning_rate"]
+    assert rec["configs"]["synth_shift"]["task"] == "position_synth"
+    moved = rec["position_movement"]
+    assert list(moved) == ["['encoder']['embeddings']['position_embeddings']['embedding']"]
+    assert 0 < moved[next(iter(moved))]["relative"] < 1
     # where a cell's time went: training, then each follow-up stage that ran
     assert 0 < rec["train_s"] <= rec["wall_s"]
-    assert {"params", "glue_mrpc", "synth_shift", "extrapolation"} <= set(rec["stage_s"])
+    assert {"params", "position_movement", "held_out", "synth_shift"} <= set(rec["stage_s"])
     assert rec["train_s"] + sum(rec["stage_s"].values()) <= rec["wall_s"] + 1e-6
+    sweep = json.loads((text / "results" / "bert_abs-lr0.003.json").read_text())
+    assert sweep["sweep"] and "synthetic" not in sweep and _finite(sweep["held_out"]["2"]["loss"])
     rep = report.build(text)
     manifest = json.loads((text / "results" / "study.json").read_text())
-    _check_common(rep, manifest["cells"], ("bert_abs", "tupe_a", "deberta_v2_no_emd"))
+    _check_common(rep, manifest["cells"], ("bert_abs", "tupe_a", "nope", "deberta_v2_no_emd"))
     broken = [c for c in rep["cells"] if c["name"] == "broken"]
-    assert len(broken) == 2 and all(c["status"] == "failed" and "warmup_steps" in c["error"]
-                                    for c in broken)
-    assert rep["glue"]["bert_abs"]["mrpc"]["n"] == 1
+    assert [c["status"] for c in broken] == ["failed", "failed", "not run"]
+    b = rep["baselines"]
+    assert b["bigram"] < b["unigram"] and b["num_predictions"] > 100
+    chosen = rep["sweep"]["entries"]["bert_abs"]["chosen"]
+    assert chosen == rec["learning_rate"]
+    assert rep["floor_verdicts"]["tupe_a"]["verdict"].endswith("NoPE")
     ext = rep["extrapolation"]
-    assert "no rows beyond L" in ext["bert_abs"]["2"]["reason"]
-    assert _finite(ext["deberta_v2_no_emd"]["2"]["mean"])        # relative: evaluated at 2L
+    assert ext["bert_abs"]["2"]["extended"] and not ext["deberta_v2_no_emd"]["2"]["extended"]
+    assert _finite(ext["bert_abs"]["2"]["mean"]) and ext["bert_abs"]["2"]["n"] == 2
     syn = rep["synthetic"]["shift"]
-    assert _finite(syn["tupe_a"]["1"]["mean"]) and "reason" in syn["tupe_a"]["2"]
-    assert _finite(syn["deberta_v2_no_emd"]["2"]["mean"])
+    assert syn["tupe_a"]["2"]["extended"] and _finite(syn["tupe_a"]["2"]["mean"])
+    # 6 steps: no entry is below the bigram, so every MLM claim is undecidable
+    assert all(c["verdict"] == "undecidable at this scale" and "bigram" in c["undecidable"]
+               for c in rep["claims"] if "loss" in c.get("metric", "final.loss"))
     assert set(rep["head_labels"]["tupe_a"]) <= {"global", "local", "broad", "previous", "next"}
-    assert {"curves.png", "tupe_terms_bert_abs.png", "tupe_heads_tupe_a.png"} <= set(rep["figures"])
+    assert {"curves.png", "tupe_terms_bert_abs.png", "tupe_heads_tupe_a.png",
+            "synthetic_shift.png"} <= set(rep["figures"])
     md = (text / "report.md").read_text()
     times = rep["time"]["entries"]["bert_abs"]
     assert times["cells"] == 2 and 0 < times["train_s"] <= times["wall_s"]
-    assert times["stage_s"]["glue_mrpc"] > 0 and rep["time"]["sum_wall_s"] > times["wall_s"]
-    for word in ("broken-s2 | bert_abs | failed", "not distinguishable", "## Claims",
-                 "## Time per cell", "| entry | cells | wall | training | analysis |",
-                 "the table has no rows beyond L", "side by side in one process"):
+    assert times["stage_s"]["held_out"] > 0 and rep["time"]["sum_wall_s"] > times["wall_s"]
+    for word in ("broken-lr0.003 | bert_abs | 0.003 | failed", "## Claims",
+                 "## Baselines of the held-out targets", "| bigram (the true previous token) |",
+                 "## Learning-rate sweep", "beyond nope (p, Holm)",
+                 "## How far the positional parameters moved", "undecidable at this scale",
+                 "## Time per cell", "| entry | cells | wall | training |",
+                 "side by side in one process"):
         assert word in md, word
     # the report from results/ alone (as merged from other machines)
     merged = tmp_path / "merged"
@@ -277,20 +375,21 @@ def test_tiny_studies_end_to_end(tmp_path, shared_data):
     assert (merged / "report.md").read_text().replace(str(merged), "") == md.replace(
         str(text), "")
 
-    # --- image: NoPE (the control), resolution transfer, similarity maps
+    # --- image: NoPE (the floor), resolution transfer with its equal-steps control
     vit = tmp_path / "vit"
     rep = json.loads((vit / "report.json").read_text())
     manifest = json.loads((vit / "results" / "study.json").read_text())
-    _check_common(rep, manifest["cells"], ("vit", "deberta_v2", "nope"))
-    nope = [c for c in rep["cells"] if c["name"] == "nope"]
-    assert len(nope) == 2 and all(c["status"] == "ok" for c in nope)
+    _check_common(rep, manifest["cells"], ("vit", "bert_rel", "nope"))
     t = rep["transfer"]
     assert {"56px bilinear", "56px bicubic", "56px finetuned"} <= set(t["vit"])
-    assert _finite(t["vit"]["56px bicubic"]["mean"]) and _finite(t["deberta_v2"]["56px as_is"]["mean"])
+    assert _finite(t["vit"]["56px bicubic"]["mean"]) and _finite(t["nope"]["56px as_is"]["mean"])
+    rec = json.loads((vit / "results" / "vit-s1.json").read_text())
+    assert rec["transfer_control"]["size"] == 28 and _finite(
+        rec["transfer_control"]["finetuned"]["accuracy"])
+    assert {"main", "ft56", "ft28"} <= set(rec["configs"])
     assert "position_similarity_vit.png" in rep["figures"]
     assert (vit / "position_similarity_vit.png").stat().st_size > 0
-    verdicts = {c["claim"]: c for c in rep["claims"]}
-    assert any(c["verdict"] in VERDICTS and "nope" in c["measured"] for c in verdicts.values())
+    assert any("nope" in c["measured"] for c in rep["claims"])
 
 
 def test_study_overrides_from_the_command_line():

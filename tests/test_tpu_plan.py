@@ -191,3 +191,19 @@ def test_cli_bad_input_is_one_error_and_status_2(args, message):
     done = _cli("--config", "configs/mlm_bert_a.py:size=tiny", *args)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_study_grid_is_planned_entry_by_entry():
+    """The tiny text study on a v5e-4: every entry compiled, and the grid's cost from the runs
+    each entry makes (2 sweep rates + 1 later seed)."""
+    from posjax.study.spec import load_config_file
+
+    study = load_config_file("configs/study_text.py:tiny")
+    report = plan_lib.plan_study(study, "v5e-4", progress=_quiet)
+    assert list(report["entries"]) == ["bert_abs", "tupe_a", "deberta_v2_no_emd", "nope"]
+    assert report["fits"] and report["runs_per_entry"] == 3
+    per_run = [e["days_per_run"] for e in report["entries"].values()]
+    assert all(d > 0 for d in per_run)
+    assert report["grid_days"] == pytest.approx(3 * sum(per_run))
+    text = plan_lib.format_study(report)
+    assert "4 entries x 3 runs each" in text and "whole grid >=" in text

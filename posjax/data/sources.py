@@ -29,7 +29,9 @@ A split may carry a slice, as in TFDS: ``test[:8000]``, ``test[8000:]``, ``train
 slice may take every k-th example: ``test[::5]``, ``test[1000::10]``. Files ordered by class
 (``cifar10`` packed from class folders, ``image_folder``) need a step to sample every class:
 their ``test[:2000]`` is the first two classes only, and the image pipeline refuses a slice
-that drops classes of its split.
+that drops classes of its split. The MLM text-file pipeline also reads a complement: ``~`` in
+front takes every example the slice leaves out (``valid[::20]`` holds out every 20th document,
+spread over the corpus; ``~valid[::20]`` is the rest).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-_SPLIT_RE = re.compile(r"^(?P<base>[\w\-]+)"
+_SPLIT_RE = re.compile(r"^(?P<complement>~)?(?P<base>[\w\-]+)"
                        r"(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)(:(?P<step>\d*))?\])?$")
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
@@ -76,6 +78,11 @@ def parse_split(spec: str) -> tuple[str, str, str]:
     return match["base"], match["start"] or "", match["stop"] or ""
 
 
+def is_complement(spec: str) -> bool:
+    """``'~train[::20]'``: every example of ``train`` that ``train[::20]`` does not select."""
+    return bool(_match_split(spec)["complement"])
+
+
 def split_step(spec: str) -> int:
     """The slice's step: ``'test[::5]'`` -> 5; 1 without one."""
     return int(_match_split(spec)["step"] or 1)
@@ -104,9 +111,22 @@ def _bound(text: str, length: int, spec: str) -> int | None:
 
 def split_range(spec: str, length: int) -> range:
     """The example indices selected by a split spec from a split of ``length`` examples."""
+    if is_complement(spec):
+        raise ValueError(f"split {spec!r}: a complement ('~', every example the slice leaves "
+                         "out) is read by the MLM text-file pipeline only; give a slice here")
     _, start, stop = parse_split(spec)
     return range(length)[slice(_bound(start, length, spec), _bound(stop, length, spec),
                                split_step(spec))]
+
+
+def split_indices(spec: str, length: int) -> np.ndarray:
+    """The indices (int64, ascending) a spec selects, a complement (``~``) included."""
+    selected = split_range(spec.lstrip().removeprefix("~"), length)
+    if not is_complement(spec):
+        return np.arange(length)[selected.start:selected.stop:selected.step]
+    keep = np.ones(length, bool)
+    keep[selected.start:selected.stop:selected.step] = False
+    return np.flatnonzero(keep)
 
 
 # ----------------------------------------------------------------------------- sources

@@ -18,7 +18,8 @@ text_key          ``tfds`` only: the feature holding the document text (``text``
 train_split       documents for ``split='train'``: a split name with an optional slice,
                   ``valid[:95%]``, ``train``
 test_split        documents for ``split='test'`` (evaluation)
-tokenizer         vocab.txt / SentencePiece .model / tokenizer.json (posjax.data.tokenizers)
+tokenizer         vocab.txt / SentencePiece .model / tokenizer.json, or ``bytes`` (built in:
+                  one token per UTF-8 byte; posjax.data.tokenizers)
 lowercase         WordPiece vocab.txt only: lower-case and strip accents (BERT uncased)
 unk_marker        a corpus' own unknown-word marker (WikiText: ``<unk>``) mapped to the
                   tokenizer's unknown id ('' = none)
@@ -44,8 +45,7 @@ max(1, round(mask_rate · #candidates))) are chosen uniformly without replacemen
 words in random order, a word skipped when it would exceed n, as in BERT); each chosen token
 becomes [MASK] with probability 0.8, a uniformly random non-special token with 0.1, else stays.
 The RNG of sequence ``k`` is ``numpy.random.default_rng([seed, k])``, with ``k`` its index in
-the global training stream (evaluation: over the whole packed split), so the masks are a pure
-function of (seed, position in the stream): re-masking a sequence each epoch is "dynamic
+the global training stream, so the masks are a pure function of (seed, position in the stream): re-masking a sequence each epoch is "dynamic
 masking", and a restored Grain iterator reproduces the same batches.
 
 Batches: ``input_ids``, ``attention_mask``, ``token_type_ids`` int32 (b, L);
@@ -65,7 +65,9 @@ for a 256 x 128-token global batch, on every process, every step). In exchange b
 not depend on the process count, and the state is one position in the document stream (which
 document, the offset inside it, sequences emitted), checkpointable and equal on every process.
 
-Evaluation packs the whole test split once in memory (the same on every process), then shard
+Evaluation packs the whole test split once in memory (the same on every process) and masks
+sequence ``k`` with ``default_rng([EVAL_MASK_SEED, k])`` whatever the run's seed, so every run
+(seed, scheme) is scored on the same masked tokens; then shard
 ``i`` takes sequences ``i, i+n, ...``, with the last batch padded (``mask=False``) so every
 shard yields the same number of batches.
 """
@@ -87,10 +89,11 @@ from posjax import config_defaults
 from posjax.data import sources
 from posjax.data.common import (check_pipeline_call, eval_batches_per_shard, key_problems,
                                 not_utf8_error, stack_examples, utf8_lines)
-from posjax.data.tokenizers import Encoded, TextTokenizer, load_tokenizer
+from posjax.data.tokenizers import BYTES, Encoded, TextTokenizer, load_tokenizer
 from posjax.io_utils import error_summary
 
 Example = dict[str, Any]
+EVAL_MASK_SEED = 0   # held-out masks: the same for every run seed (module docstring)
 SOURCES = ("text_files", "tfds")
 DOC_BOUNDARIES = ("blank_line", "line")
 
@@ -143,9 +146,9 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
         except (ValueError, AttributeError) as e:
             out.append(f"data.{field}={cfg[field]!r}: {e}")
     tok = pathlib.Path(str(cfg.tokenizer)).expanduser()
-    check(bool(cfg.tokenizer) and tok.exists(), "tokenizer",
+    check(cfg.tokenizer == BYTES or (bool(cfg.tokenizer) and tok.exists()), "tokenizer",
           "set it to a vocab.txt, SentencePiece .model or tokenizer.json (or train one with "
-          "python -m posjax.data.tokenizers train ...)")
+          f"python -m posjax.data.tokenizers train ...), or {BYTES!r} for one token per byte")
     if out:
         return out
     if cfg.source == "text_files":
@@ -161,6 +164,9 @@ def _problems(cfg: ml_collections.ConfigDict) -> list[str]:
                 problem = f"data.text_files.{base}: {e}"
                 if problem not in out:   # train and test may read the same file
                     out.append(problem)
+    elif any(sources.is_complement(cfg[f]) for f in ("train_split", "test_split")):
+        out.append("data.train_split/test_split: a complement ('~') is read from text_files "
+                   "only; give TFDS a slice")
     elif not cfg.tfds_name:
         out.append("data.tfds_name='': set the TFDS dataset name, e.g. wikipedia/20230601.en")
     else:   # opening a split reads no records; the first failure is usually the dataset's
@@ -294,8 +300,23 @@ def open_documents(cfg: ml_collections.ConfigDict, split: str) -> grain.MapDatas
         return grain.MapDataset.source(documents)[::sources.split_step(split)]
     base, _, _ = sources.parse_split(split)
     source = TextFileSource(expand_files(cfg.text_files[base]), cfg.doc_boundary)
-    selected = sources.split_range(split, len(source))
-    return grain.MapDataset.source(source)[selected.start:selected.stop:selected.step]
+    return grain.MapDataset.source(Selected(source, sources.split_indices(split, len(source))))
+
+
+class Selected:
+    """The documents ``indices`` of ``source``, as a random-access source."""
+
+    def __init__(self, source: Any, indices: np.ndarray):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> str:
+        return self.source[int(self.indices[index])]
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}[{len(self)} selected]"
 
 
 # ----------------------------------------------------------------------------- tokenising
@@ -595,6 +616,6 @@ def make_mlm_pipeline(cfg: ml_collections.ConfigDict, *, split: str, batch_size:
     padded += [dict(mine[i % len(mine)], real=False)
                for i in range(num_batches * batch_size - len(mine))]
     ds = grain.MapDataset.source(padded).map(
-        functools.partial(seeded_mask, spec=masking, seed=seed))
+        functools.partial(seeded_mask, spec=masking, seed=EVAL_MASK_SEED))
     ds = ds.batch(batch_size, drop_remainder=True, batch_fn=stack_examples).to_iter_dataset()
     return TextPipeline(iter(ds), ds, len(sequences), num_batches, tokenizer)

@@ -10,7 +10,10 @@
   truncation or padding saved in it is switched off, with a warning (the pipelines cut and
   pad to ``max_seq_length`` themselves; the file's would cut documents and put pad ids among
   the real tokens);
-- a folder holding one of these (looked up in the order above).
+- a folder holding one of these (looked up in the order above);
+- ``bytes``: the built-in byte-level vocabulary (no file): [PAD] [UNK] [CLS] [SEP] [MASK] take
+  ids 0..4 and byte ``b`` of the UTF-8 text is token ``5 + b`` (261 ids; ASCII text is one
+  token per character). Character-level MLM without a vocabulary to train or ship.
 
 Every tokenizer exposes the five special ids the models need (``pad``, ``unk``, ``cls``,
 ``sep``, ``mask``). Each is found under its BERT name (``[PAD]`` ...) or its RoBERTa/GPT name
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import logging
 import pathlib
@@ -282,6 +286,8 @@ def load_tokenizer(path: str | pathlib.Path, lowercase: bool = True) -> TextToke
     ``lowercase`` applies to WordPiece vocabularies only (BERT uncased: True, cased: False);
     SentencePiece models and tokenizer.json files carry their own normalisation.
     """
+    if str(path) == BYTES:
+        return byte_tokenizer()
     file = _resolve(pathlib.Path(path).expanduser())
     name = str(file)
     if file.suffix == ".json":
@@ -312,6 +318,37 @@ def load_tokenizer(path: str | pathlib.Path, lowercase: bool = True) -> TextToke
         return _from_hf(wordpiece_tokenizer(name, lowercase), name)
     raise ValueError(f"tokenizer {name!r} has an unknown suffix {file.suffix!r}: expected "
                      "vocab .txt (WordPiece), .model (SentencePiece) or .json (tokenizers)")
+
+
+BYTES = "bytes"   # data.tokenizer value of the built-in byte-level vocabulary
+
+
+def _byte_symbols() -> list[str]:
+    """The printable stand-in of each byte 0..255 that the tokenizers library's ByteLevel
+    pre-tokenizer maps it to (printable Latin-1 bytes stand for themselves, the other 68 take
+    code points 256, 257, ... in byte order)."""
+    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_backend():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {name: i for i, name in enumerate(BERT_SPECIALS)}
+    vocab.update({symbol: len(BERT_SPECIALS) + b for b, symbol in enumerate(_byte_symbols())})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        pre_tokenizers.Split(Regex("."), "isolated")])   # every byte its own token
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def byte_tokenizer() -> TextTokenizer:
+    """``load_tokenizer('bytes')``: UTF-8 byte ``b`` -> id ``5 + b``, specials 0..4."""
+    return TextTokenizer(_byte_backend(), BYTES)
 
 
 # ----------------------------------------------------------------------------- training

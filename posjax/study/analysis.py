@@ -83,3 +83,30 @@ def vit_similarity(table: np.ndarray, grid: tuple[int, int], prefix: int) -> np.
     rows = np.asarray(table).reshape(-1, np.shape(table)[-1])[prefix:]
     rows = rows / (np.linalg.norm(rows, axis=-1, keepdims=True) + 1e-12)
     return (rows @ rows.T).reshape(*grid, *grid)
+
+
+# Parameter names that hold positional information (tables, relative biases and embeddings,
+# TUPE's positional projections, DeBERTa's position projections, BERT-A-d's cross terms).
+POSITIONAL = ("position_embeddings", "rel_bias", "rel_embeddings", "rel_norm", "tupe_bias",
+              "_for_positions", "pos_key", "pos_query", "pos_embedding")
+
+
+def position_movement(initial: Any, final: Any) -> dict[str, dict[str, float]]:
+    """How far each positional parameter moved in training: ``{path: {init_norm, change_norm,
+    relative (change_norm / init_norm; nan for a zero init), max_abs_change}}``. For an
+    additive logit bias (T5's table) ``max_abs_change`` is the most any logit moved."""
+    import jax
+
+    moved = {}
+    flat_final = dict(jax.tree_util.tree_flatten_with_path(final)[0])
+    for path, start in jax.tree_util.tree_flatten_with_path(initial)[0]:
+        key = jax.tree_util.keystr(path)
+        if not any(word in key for word in POSITIONAL) or path not in flat_final:
+            continue
+        a = np.asarray(start, np.float64)
+        delta = np.asarray(flat_final[path], np.float64) - a
+        norm = float(np.linalg.norm(a))
+        moved[key] = {"init_norm": norm, "change_norm": float(np.linalg.norm(delta)),
+                      "relative": float(np.linalg.norm(delta) / norm) if norm else float("nan"),
+                      "max_abs_change": float(np.max(np.abs(delta))) if delta.size else 0.0}
+    return moved

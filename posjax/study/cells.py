@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from posjax.models.schemes import SCHEMES, absolute_rows, scheme_of
-from posjax.study import analysis, runner, synthetic
+from posjax.study import analysis, held_out, runner, synthetic
 from posjax.study.spec import Cell, load_config_file, set_dotted
 
 
@@ -74,6 +74,8 @@ def main_config(base: ml_collections.ConfigDict, cell: Cell) -> ml_collections.C
         config.seed = cell.seed
     for key, value in cell.train.items():
         set_dotted(config, key, value)
+    if cell.learning_rate is not None:
+        config.optimizer.learning_rate = cell.learning_rate
     return config
 
 
@@ -113,11 +115,15 @@ def synth_config(study: Any, main: ml_collections.ConfigDict, task: str, length:
 
 
 def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.ConfigDict:
-    """``config`` reading held-out sequences of ``length`` tokens."""
+    """``config`` reading held-out sequences of ``length`` tokens; an absolute table with
+    fewer rows is read interpolated (``model.extend_positions='interpolate'``)."""
     out = config.copy_and_resolve_references()
     out.data.max_seq_length = length
-    if not table_rows(dict(out.model)):   # a table no layer reads: no rows to fit
+    rows = table_rows(dict(out.model))
+    if not rows:   # a table no layer reads: no rows to fit
         out.model.max_position_embeddings = 0
+    with out.ignore_type():
+        out.model.extend_positions = "interpolate" if rows and length > rows else ""
     if "length" in out.data:
         out.data.length = length
     return out
@@ -132,17 +138,13 @@ def table_rows(model: dict[str, Any]) -> int:
 
 def length_results(config: ml_collections.ConfigDict, params: Any, length: int,
                    factors: list[int], max_batches: int | None) -> dict[str, Any]:
-    """Held-out metrics at length·f for each factor; beyond the table: the reason."""
-    rows = table_rows(dict(config.model))
+    """Held-out metrics at length·f for each factor (an absolute table interpolated beyond
+    its rows: ``extended``)."""
     out: dict[str, Any] = {}
     for f in factors:
-        n = length * f
-        if rows and n > rows:
-            out[str(f)] = {"length": n, "reason": f"the table has no rows beyond L "
-                                                  f"(max_position_embeddings={rows})"}
-            continue
-        out[str(f)] = {"length": n, **runner.evaluate_params(at_length(config, n), params,
-                                                             max_batches)}
+        c = at_length(config, length * f)
+        out[str(f)] = {"length": length * f, "extended": bool(c.model.extend_positions),
+                       **runner.evaluate_params(c, params, max_batches)}
     return out
 
 
@@ -201,9 +203,12 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     """Train every stage of ``cell`` (resuming), write its results files, return the record."""
     record: dict[str, Any] = {"cell": cell.id, "name": cell.name, "seed": cell.seed,
                               "scheme": cell.scheme, "kind": study.kind, "status": "ok",
-                              "host": socket.gethostname(), "pid": os.getpid()}
+                              "host": socket.gethostname(), "pid": os.getpid(),
+                              "sweep": cell.sweep, "provenance": provenance()}
     config = main_config(base, cell)
+    record["learning_rate"] = float(config.optimizer.learning_rate)
     record["config"] = _config_summary(config)
+    record["configs"] = {"main": config.to_dict()}
     workdir = cell_dir(root, cell.id)
     started = time.perf_counter()
     try:
@@ -225,12 +230,22 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     params = stages.run("params", runner.load_params, workdir)
     if params is not None:
         record["params"] = runner.param_count(params)
-    if params is None or cell.seed > study.get("follow_up_seeds", 10**6):
-        pass   # follow-ups (GLUE, synthetic, transfer) only for the first follow_up_seeds seeds
+        record["position_movement"] = stages.run(
+            "position_movement", lambda: analysis.position_movement(
+                runner.initial_params(config), params))
+        if study.kind == "text" and study.get("held_out"):
+            record["held_out"] = stages.run("held_out", held_out.evaluate, config, params,
+                                            list(study.held_out.factors),
+                                            int(study.held_out.draws))
+    if params is None or not follows_up(study, cell):
+        pass   # follow-ups (GLUE, synthetic, transfer): the first follow_up_seeds seeds only
     elif study.kind == "text":
         _text_follow_ups(root, study, config, cell, params, record, stages)
     else:
         _vit_follow_ups(root, study, config, cell, params, record, stages)
+    if params is not None and study.get("analysis", True) and first_follow_up(study, cell):
+        analyse = _text_analysis if study.kind == "text" else _vit_analysis
+        stages.run("analysis", analyse, root, config, cell, params)
     record["stage_errors"] = stages.errors
     record["stage_s"] = stages.seconds
     record["wall_s"] = time.perf_counter() - started
@@ -238,19 +253,41 @@ def run_cell(root: pathlib.Path, study: Any, base: ml_collections.ConfigDict, ce
     return record
 
 
+def follows_up(study: Any, cell: Cell) -> bool:
+    """Whether ``cell`` runs the follow-ups: not a sweep cell (its rate may not be chosen),
+    and a seed <= ``study.follow_up_seeds`` (default every seed)."""
+    return not cell.sweep and cell.seed <= study.get("follow_up_seeds", 10**6)
+
+
+def first_follow_up(study: Any, cell: Cell) -> bool:
+    """The seed whose params the analyses plot: the first seed that is not a sweep cell."""
+    return not cell.sweep and cell.seed == (2 if study.get("sweep") else 1)
+
+
+def provenance() -> dict[str, Any]:
+    """The git commit of the posjax checkout running the cell, and whether tracked files
+    differed from it ('unknown' outside a git checkout)."""
+    import subprocess
+
+    here = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True,
+                                  timeout=30, check=True).stdout.strip()
+        return {"git_commit": git("rev-parse", "HEAD"),
+                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": "unknown", "git_dirty": None}
+
+
 def _text_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.ConfigDict,
                      cell: Cell, params: Any, record: dict[str, Any], stages: Stages
                      ) -> None:
-    length = int(config.data.max_seq_length)
-    extra = study.get("extrapolation", {})
-    if extra.get("factors"):
-        record["extrapolation"] = stages.run(
-            "extrapolation", length_results, config, params, length,
-            [1, *extra.factors], extra.get("max_batches", None))
     record["glue"] = {}
     for task in study.get("glue", {}).get("tasks", []):
         def glue(task=task):
             c = glue_config(study, config, task, cell_dir(root, cell.id))
+            record["configs"][f"glue_{task}"] = c.to_dict()
             return _train_stage(c, cell_dir(root, cell.id, f"glue_{task}"))
         if (r := stages.run(f"glue_{task}", glue)) is not None:
             record["glue"][task] = r
@@ -259,14 +296,15 @@ def _text_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Conf
     for task in synth.get("tasks", []):
         def run_synth(task=task):
             c = synth_config(study, config, task, int(synth.length))
+            record["configs"][f"synth_{task}"] = c.to_dict()
             wd = cell_dir(root, cell.id, f"synth_{task}")
             _train_stage(c, wd)
+            write_curve(results_dir(root) / f"{cell.id}+synth_{task}_curve.csv",
+                        runner.curve(runner.metrics(wd)))
             return length_results(c, runner.load_params(wd), int(synth.length),
                                   list(synth.get("factors", [1, 2, 4])), None)
         if (r := stages.run(f"synth_{task}", run_synth)) is not None:
             record["synthetic"][task] = r
-    if cell.seed == 1 and study.get("analysis", True):
-        stages.run("analysis", _text_analysis, root, config, cell, params)
 
 
 def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: Cell,
@@ -299,6 +337,17 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
     size = int(config.model.image_size if isinstance(config.model.image_size, int)
                else config.model.image_size[0])
     record["transfer"] = {}
+
+    def finetune(n: int) -> dict[str, Any]:
+        """``transfer.finetune_steps`` steps at ``n`` px from the cell's checkpoint."""
+        c = at_size(config, n)
+        with c.ignore_type():
+            c.init_from = str(cell_dir(root, cell.id))
+        _override(c, dict(transfer.get("finetune_overrides", {})))
+        c.num_steps = int(transfer.finetune_steps)
+        record["configs"][f"ft{n}"] = c.to_dict()
+        return _train_stage(c, cell_dir(root, cell.id, f"ft{n}"))
+
     for new in transfer.get("sizes", []):
         def at_size(c: ml_collections.ConfigDict, n: int = new) -> ml_collections.ConfigDict:
             out = c.copy_and_resolve_references()
@@ -333,22 +382,30 @@ def _vit_follow_ups(root: pathlib.Path, study: Any, config: ml_collections.Confi
             if r is not None:
                 entry["as_is"] = r
         if transfer.get("finetune_steps", 0):
-            def finetune(n: int = new) -> dict[str, Any]:
-                c = at_size(config, n)
-                with c.ignore_type():
-                    c.init_from = str(cell_dir(root, cell.id))
-                _override(c, dict(transfer.get("finetune_overrides", {})))
-                c.num_steps = int(transfer.finetune_steps)
-                return _train_stage(c, cell_dir(root, cell.id, f"ft{n}"))
-            r = stages.run(f"finetune_{new}", finetune)
+            r = stages.run(f"finetune_{new}", finetune, new)
             if r is not None:
                 entry["finetuned"] = r
         record["transfer"][str(new)] = entry
-    if cell.seed == 1 and "pos_embedding" in params and study.get("analysis", True):
-        patch = config.model.patch_size
-        patch = patch if isinstance(patch, int) else patch[0]
-        from posjax.models.config import stem_stride
-        g = size // (patch * stem_stride(tuple(config.model.get("resnet_layers", ()))))
-        table = np.asarray(params["pos_embedding"])
-        sim = analysis.vit_similarity(table, (g, g), table.shape[1] - g * g)
-        write_analysis(root, cell.id, {"vit_similarity": sim})
+    if transfer.get("finetune_steps", 0) and transfer.get("sizes"):
+        # The equal-steps control: the same fine-tune at the training resolution.
+        r = stages.run(f"finetune_{size}", finetune, size)
+        if r is not None:
+            record["transfer_control"] = {"size": size, "steps": int(transfer.finetune_steps),
+                                          "finetuned": r}
+
+
+def _vit_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: Cell,
+                  params: Any) -> None:
+    """The learned table's similarity maps (ViT Fig. 7), for a model that has one."""
+    from posjax.models.config import stem_stride
+
+    if "pos_embedding" not in params:
+        return
+    size = config.model.image_size
+    size = size if isinstance(size, int) else size[0]
+    patch = config.model.patch_size
+    patch = patch if isinstance(patch, int) else patch[0]
+    g = size // (patch * stem_stride(tuple(config.model.get("resnet_layers", ()))))
+    table = np.asarray(params["pos_embedding"])
+    sim = analysis.vit_similarity(table, (g, g), table.shape[1] - g * g)
+    write_analysis(root, cell.id, {"vit_similarity": sim})

@@ -18,16 +18,25 @@ from posjax.study import cost as cost_lib
 from posjax.study import stats
 from posjax.study.analysis import HEAD_RULE
 
+VERDICTS = ("reproduced", "contradicted", "effect smaller than the paper's (excluded)",
+            "not shown", "undecidable at this scale")
+ALPHA = 0.05   # family-wise, Holm across the claims that can be decided
 CLAIM_RULES = {
-    "paired": ("the 95% paired t-interval of (a − b) over seeds lies entirely on the claimed "
-               "side of 0: reproduced; entirely on the other side: not reproduced; covers 0 or "
-               "n < 2: inconclusive"),
-    "same": ("the claim is that a and b do not differ: the 95% paired t-interval covers 0: "
-             "reproduced (no difference detectable at this n); excludes 0: not reproduced; "
-             "n < 2: inconclusive"),
-    "convergence": ("the mean over seeds of (steps a needs to reach b's final held-out loss "
-                    "of the same seed) / (steps b needs) is <= `at_most`: reproduced; >= 1 or "
-                    "never reached in some seed: not reproduced; in between: inconclusive"),
+    "paired": ("one-sided paired t-test of (a − b) over seeds in the claimed direction, Holm-"
+               "adjusted across claims: p ≤ 0.05 reproduced; the 95% interval entirely on the "
+               "other side: contradicted; else not shown"),
+    "same": ("equivalence test (TOST) of |a − b| < the margin written in the config before the "
+             "run, Holm-adjusted: p ≤ 0.05 reproduced; the 95% interval entirely outside "
+             "±margin: contradicted; else undecidable at this scale (interval wider than the "
+             "margin)"),
+    "convergence": ("per seed, the steps a needs to reach b's final held-out loss of that seed "
+                    "over the steps b needs; one-sided t-test of mean ratio < `at_most`, Holm-"
+                    "adjusted: reproduced; the 95% interval of the mean ratio above `at_most` "
+                    "but below 1: effect smaller than the paper's (excluded); at or above 1: "
+                    "contradicted; else not shown"),
+    "gate": ("an MLM claim is decided only when both entries end below the bigram baseline of "
+             "the held-out targets, an accuracy claim only when both are above chance, a GLUE "
+             "claim only when GLUE ran: else undecidable at this scale"),
 }
 
 
@@ -128,83 +137,209 @@ def convergence(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], bas
     return out
 
 
-def decide(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
-           conv: dict[str, Any]) -> dict[str, Any]:
-    """One claim's measurement and verdict (``CLAIM_RULES``)."""
+def gate(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
+         context: dict[str, Any]) -> str:
+    """Why ``claim`` cannot be decided at this scale ('' when it can; ``CLAIM_RULES['gate']``)."""
+    if claim.get("rule") == "convergence":
+        metrics = ["final.loss"]
+    else:
+        metrics = [claim["metric"], claim.get("metric_b", claim["metric"])]
+    for name, path in zip((claim["a"], claim["b"]), metrics * (2 // len(metrics))):
+        if path == "glue_mean" and not context.get("glue_tasks"):
+            return "GLUE is off at this scale (no fine-tuning ran)"
+        values = list(seeds_of(groups.get(name, []), path).values())
+        if not values:
+            continue
+        mean = float(np.mean(values))
+        bigram = context.get("baselines", {}).get("bigram")
+        if "loss" in path and bigram is not None and not mean < bigram:
+            return (f"{name} ends at {mean:.3f} nats, not below the bigram baseline "
+                    f"({bigram:.3f})")
+        chance = context.get("chance")
+        if "accuracy" in path and chance is not None and mean <= chance + CHANCE_MARGIN:
+            return f"{name} is at chance ({mean:.3f} vs {chance:.3f})"
+    return ""
+
+
+CHANCE_MARGIN = 0.02   # an accuracy within 2 points of chance counts as chance
+
+
+def measure(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
+            conv: dict[str, Any]) -> dict[str, Any]:
+    """The claim's effect: the paired (or ratio) mean, its 95% interval, n, and the p-value of
+    its rule before correction (nan where it cannot be computed)."""
     kind = claim.get("rule", "paired")
     a, b = claim["a"], claim["b"]
-    out = {**claim, "rule_text": CLAIM_RULES[kind]}
-    if a not in groups or b not in groups or not ok(groups[a]) or not ok(groups[b]):
-        missing = [n for n in (a, b) if n not in groups or not ok(groups[n])]
-        return {**out, "measured": f"no finished cells of {', '.join(missing)}",
-                "verdict": "inconclusive"}
     if kind == "convergence":
-        ratio = conv.get(a, {}).get("ratio")
-        if ratio is None:
-            return {**out, "measured": f"{a} did not reach {b}'s final loss in every seed",
-                    "verdict": "not reproduced"}
-        verdict = ("reproduced" if ratio <= claim.get("at_most", 0.5)
-                   else "not reproduced" if ratio >= 1 else "inconclusive")
-        return {**out, "measured": f"steps ratio {ratio:.2f}", "ratio": ratio, "verdict": verdict}
+        ratios = conv.get(a, {}).get("ratios", {})
+        steps = conv.get(a, {}).get("steps", {})
+        m = stats.mean_interval(list(ratios.values()))
+        missing = [s for s, v in steps.items() if v is None]
+        p = stats.one_sided_p(-m["mean"], m["se"], m["n"], -claim.get("at_most", 0.5))
+        return {**m, "p": p, "never_reached": missing, "per_seed": ratios}
     metric_b = claim.get("metric_b", claim["metric"])
-    p = stats.paired(seeds_of(groups[a], claim["metric"]), seeds_of(groups[b], metric_b))
+    d = stats.paired(seeds_of(groups.get(a, []), claim["metric"]),
+                     seeds_of(groups.get(b, []), metric_b))
     if kind == "same":
-        verdict = ("inconclusive" if p["n"] < 2 else
-                   "not reproduced" if p["distinguishable"] else "reproduced")
-        return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
-    sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
-    verdict = "inconclusive"
-    if p["n"] >= 2:
-        low, high = sign * p["low"], sign * p["high"]   # the claimed side is > 0
-        if min(low, high) > 0:
-            verdict = "reproduced"
-        elif max(low, high) < 0:
-            verdict = "not reproduced"
-    return {**out, "measured": _measured(claim, p), "paired": p, "verdict": verdict}
+        p = (stats.tost(d["mean"], d["se"], d["n"], claim["margin"]) if d["n"] >= 2
+             else float("nan"))
+    else:
+        sign = -1.0 if claim.get("better", "higher") == "lower" else 1.0
+        p = stats.one_sided_p(sign * d["mean"], d.get("se", float("nan")), d["n"])
+    return {**d, "p": p}
 
 
-def _measured(claim: dict[str, Any], p: dict[str, Any]) -> str:
-    what = claim["metric"] + (f" vs {claim['metric_b']}" if claim.get("metric_b") else "")
-    return (f"{what}: {claim['a']} − {claim['b']} = {p['mean']:+.4f} "
-            f"[{p['low']:+.4f}, {p['high']:+.4f}] (n={p['n']})")
+def decide_all(claims: list[dict[str, Any]], groups: dict[str, list[dict[str, Any]]],
+               conv: dict[str, Any], context: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every claim measured, gated, Holm-corrected across the decidable ones and decided."""
+    out = []
+    for claim in claims:
+        kind = claim.get("rule", "paired")
+        row = {**claim, "rule_text": CLAIM_RULES[kind]}
+        missing = [n for n in (claim["a"], claim["b"]) if not ok(groups.get(n, []))]
+        row["undecidable"] = gate(claim, groups, context)
+        if missing:
+            row["undecidable"] = f"no finished cells of {', '.join(missing)}"
+        row["effect"] = measure(claim, groups, conv)
+        out.append(row)
+    family = {str(i): r["effect"]["p"] for i, r in enumerate(out) if not r["undecidable"]}
+    adjusted = stats.holm(family, ALPHA)
+    for i, row in enumerate(out):
+        row["holm"] = adjusted.get(str(i), {"p": row["effect"]["p"],
+                                            "p_adjusted": float("nan"), "rejected": False})
+        row["verdict"] = verdict(row)
+        row["measured"] = _measured(row)
+    return out
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """One claim's outcome from its effect and Holm-adjusted p (``CLAIM_RULES``)."""
+    if row["undecidable"]:
+        return "undecidable at this scale"
+    e, kind = row["effect"], row.get("rule", "paired")
+    if row["holm"]["rejected"]:
+        return "reproduced"
+    if e["n"] < 2 or not np.isfinite(e["low"]):
+        return "not shown"
+    if kind == "same":
+        m = row["margin"]
+        if e["low"] > m or e["high"] < -m:
+            return "contradicted"
+        return "undecidable at this scale"
+    if kind == "convergence":
+        if e["low"] >= 1.0:
+            return "contradicted"
+        if e["low"] > row.get("at_most", 0.5) and e["high"] < 1.0:
+            return "effect smaller than the paper's (excluded)"
+        return "not shown"
+    sign = -1.0 if row.get("better", "higher") == "lower" else 1.0
+    if max(sign * e["low"], sign * e["high"]) < 0:
+        return "contradicted"
+    return "not shown"
+
+
+def decide(claim: dict[str, Any], groups: dict[str, list[dict[str, Any]]],
+           conv: dict[str, Any], context: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One claim decided on its own (a family of one: no correction)."""
+    return decide_all([claim], groups, conv, context or {})[0]
+
+
+def _measured(row: dict[str, Any]) -> str:
+    e = row["effect"]
+    if row.get("rule") == "convergence":
+        what = f"steps ratio {row['a']} / {row['b']}"
+        if e.get("never_reached"):
+            what += f" ({row['a']} never reached the target in seeds {e['never_reached']})"
+    else:
+        what = row["metric"] + (f" vs {row['metric_b']}" if row.get("metric_b") else "")
+        what += f": {row['a']} − {row['b']}"
+    if e["n"] < 2:
+        return f"{what} = {e['mean']:+.4f} (n = {e['n']}: no interval)"
+    margin = f", margin ±{row['margin']:g}" if row.get("rule") == "same" else ""
+    return (f"{what} = {e['mean']:+.4f} [{e['low']:+.4f}, {e['high']:+.4f}] "
+            f"(n={e['n']}{margin})")
+
+
+def select(records: list[dict[str, Any]], sweep: dict[str, Any] | None
+           ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[float, dict[str, Any]]],
+                      dict[str, float]]:
+    """(groups, sweeps, rates): per entry the records its statistics use (the seeds 2.. run at
+    its chosen rate, and the sweep cell at that rate as seed 1), its sweep cells by rate, and
+    the chosen rate (the rate its later seeds ran at, else the sweep's best so far)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    sweeps: dict[str, dict[float, dict[str, Any]]] = {}
+    for r in records:
+        if r.get("sweep"):
+            sweeps.setdefault(r["name"], {})[float(r["learning_rate"])] = r
+        else:
+            groups.setdefault(r["name"], []).append(r)
+    rates: dict[str, float] = {}
+    for name, by_rate in sweeps.items():
+        ran = [r.get("learning_rate") for r in ok(groups.get(name, []))]
+        scores = {rate: metric(r, sweep["metric"]) for rate, r in by_rate.items()
+                  if r.get("status") == "ok"} if sweep else {}
+        scores = {k: v for k, v in scores.items() if v is not None and np.isfinite(v)}
+        if ran and ran[0] is not None:
+            rates[name] = float(ran[0])
+        elif scores:
+            pick = min if sweep["better"] == "lower" else max
+            rates[name] = pick(scores, key=scores.get)
+        if name in rates and rates[name] in by_rate:
+            groups[name] = [by_rate[rates[name]]] + groups.get(name, [])
+        groups.setdefault(name, [])
+    return groups, sweeps, rates
 
 
 # ----------------------------------------------------------------------------- plots
 
 
-def plot_curves(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], out: pathlib.Path,
-                keys: tuple[str, ...]) -> pathlib.Path | None:
-    """Held-out curves of every entry: mean over seeds and a min–max band."""
+def entry_styles(names: list[str]) -> dict[str, dict[str, Any]]:
+    """A colour, marker and line style per entry, every entry distinguishable from every
+    other (20 colours; marker and dash cycle on their own periods)."""
+    from posjax.plots import pyplot
+
+    colours = pyplot().get_cmap("tab20").colors
+    markers = "os^Dv<>pXh*"
+    dashes = ["-", "--", "-.", ":"]
+    return {n: {"color": colours[(2 * i) % 20 + (i // 10) % 2], "marker": markers[i % 11],
+                "linestyle": dashes[i % 4]} for i, n in enumerate(names)}
+
+
+def plot_curves(curves_of: dict[str, list[dict[str, np.ndarray]]], out: pathlib.Path,
+                keys: tuple[str, ...], title: str = "") -> pathlib.Path | None:
+    """Curves of every entry: mean over seeds and a min–max band; each entry its own colour,
+    marker and line style; the legend outside the axes."""
     from posjax.plots import pyplot, save_figure
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys) + 2.5, 4), squeeze=False)
+    styles = entry_styles(list(curves_of))
     drawn = False
-    for name, records in groups.items():
-        curves = []
-        for r in ok(records):
-            path = root / "results" / f"{r['cell']}_curve.csv"
-            if path.is_file():
-                curves.append(read_curve(path))
+    for name, curves in curves_of.items():
         for ax, key in zip(axes[0], keys):
             series = [(c["step"][np.isfinite(c.get(key, np.array([np.nan])))],
                        c[key][np.isfinite(c[key])]) for c in curves if key in c]
-            series = [s for s in series if len(s[0])]
+            series = [x for x in series if len(x[0])]
             if not series:
                 continue
             steps = series[0][0]
-            same = [v for s, v in series if len(s) == len(steps) and np.all(s == steps)]
+            same = [v for st, v in series if len(st) == len(steps) and np.all(st == steps)]
             stack = np.stack(same)
-            line, = ax.plot(steps, stack.mean(0), marker=".", label=f"{name} (n={len(same)})")
-            ax.fill_between(steps, stack.min(0), stack.max(0), alpha=0.2, color=line.get_color())
+            style = styles[name]
+            ax.plot(steps, stack.mean(0), markersize=4, markevery=max(1, len(steps) // 8),
+                    label=f"{name} (n={len(same)})", **style)
+            ax.fill_between(steps, stack.min(0), stack.max(0), alpha=0.12, color=style["color"])
             ax.set_xlabel("step")
-            ax.set_ylabel(f"held-out {key.removeprefix('eval_')}")
+            ax.set_ylabel(key.removeprefix("eval_").replace("_", " "))
             drawn = True
     if not drawn:
         plt.close(fig)
         return None
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / (5.5 * len(keys) + 2.5), 1))
     save_figure(fig, out)
     return out
 
@@ -303,40 +438,124 @@ def build(root: pathlib.Path) -> dict[str, Any]:
     """Write report.md, report.json and the PNGs into ``root``; return the report dict."""
     root = pathlib.Path(root)
     manifest, records = load_results(root)
-    groups = by_name(records)
-    base = manifest["baseline"]
+    order = [e["name"] for e in manifest["entries"]]
+    groups, sweeps, rates = select(records, manifest.get("sweep"))
+    groups = {n: groups[n] for n in sorted(groups, key=lambda n: order.index(n)
+                                           if n in order else len(order))}
+    base, floor = manifest["baseline"], manifest.get("floor", "")
     kind = manifest["kind"]
-    primary = ("final.loss", "final.accuracy") if kind == "text" else ("final.accuracy",
-                                                                       "final.loss")
-    rep: dict[str, Any] = {"kind": kind, "baseline": base, "cells": [], "table": {},
-                           "paired": {}, "cost": {}, "figures": []}
+    primary = (("held_out.1.loss", "held_out.1.accuracy") if kind == "text"
+               and manifest.get("sweep") else ("final.loss", "final.accuracy") if kind == "text"
+               else ("final.accuracy", "final.loss"))
+    rep: dict[str, Any] = {"kind": kind, "baseline": base, "floor": floor, "primary": primary,
+                           "cells": [], "table": {}, "paired": {}, "cost": {}, "figures": []}
     for r in records:
         rep["cells"].append({k: r.get(k) for k in ("cell", "name", "seed", "scheme", "status",
-                                                   "error", "stage_errors")})
+                                                   "error", "stage_errors", "learning_rate")})
+    rep["baselines"] = _baselines(root)
+    context = {"baselines": rep["baselines"] or {}, "glue_tasks": manifest.get("glue_tasks", [
+        "unknown"]), "chance": manifest.get("chance")}
     for name, rs in groups.items():
         row = {m: stats.mean_std(list(seeds_of(rs, m).values())) for m in primary}
-        row["status"] = {s: sum(r["status"] == s for r in rs)
-                         for s in ("ok", "failed", "not run", "pending")}
+        row["status"] = {st: sum(r["status"] == st for r in rs)
+                         for st in ("ok", "failed", "not run", "pending")}
         rep["table"][name] = row
-        if name != base:
-            rep["paired"][name] = {m: stats.paired(seeds_of(rs, m), seeds_of(groups[base], m))
-                                   for m in primary}
+        rep["paired"][name] = {}
+        for other in (base, floor):
+            if other and other != name and other in groups:
+                rep["paired"][name][other] = {
+                    m: stats.paired(seeds_of(rs, m), seeds_of(groups[other], m))
+                    for m in primary}
+    rep["floor_verdicts"] = _floor_verdicts(rep, primary[0], floor,
+                                            better="lower" if "loss" in primary[0] else "higher")
+    if manifest.get("sweep"):
+        rep["sweep"] = _sweep_table(sweeps, rates, manifest["sweep"])
+    rep["movement"] = _movement(groups)
     rep["cost"], rep["cost_measurement"] = _cost(root)
-    rep["time"] = _times(groups)
+    rep["time"] = _times({**groups, **{f"{n} (sweep)": list(v.values())
+                                       for n, v in sweeps.items()}})
     if kind == "text":
         rep["convergence"] = convergence(root, groups, base)
         rep["glue"] = _glue(groups)
-        rep["extrapolation"] = _nested(groups, "extrapolation", "loss")
+        rep["extrapolation"] = _nested(groups, "held_out", "loss")
         rep["synthetic"] = {t: _nested(groups, f"synthetic.{t}", "accuracy")
                             for t in _keys(groups, "synthetic")}
     else:
         rep["transfer"] = _transfer(groups)
-    rep["claims"] = [decide(c, groups, rep.get("convergence", {}))
-                     for c in manifest.get("claims", [])]
+    rep["claims"] = decide_all(list(manifest.get("claims", [])), groups,
+                               rep.get("convergence", {}), context)
     _figures(root, groups, rep, kind)
     (root / "report.json").write_text(json.dumps(rep, indent=1, default=_plain))
     (root / "report.md").write_text(markdown(manifest, rep))
     return rep
+
+
+def _baselines(root: pathlib.Path) -> dict[str, Any] | None:
+    path = root / "results" / "baselines.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _floor_verdicts(rep: dict[str, Any], m: str, floor: str, better: str) -> dict[str, Any]:
+    """Per entry: does it help beyond the floor (NoPE)? One-sided paired tests of entry −
+    floor in the better direction, Holm-adjusted across the entries."""
+    if not floor:
+        return {}
+    sign = -1.0 if better == "lower" else 1.0
+    tests = {}
+    for name, others in rep["paired"].items():
+        d = others.get(floor, {}).get(m)
+        if d is not None:
+            tests[name] = stats.one_sided_p(sign * d["mean"], d.get("se", float("nan")), d["n"])
+    adjusted = stats.holm(tests, ALPHA)
+    out = {}
+    for name, a in adjusted.items():
+        d = rep["paired"][name][floor][m]
+        worse = d["n"] >= 2 and (d["low"] > 0 if sign < 0 else d["high"] < 0)
+        out[name] = {**a, "verdict": "helps beyond NoPE" if a["rejected"] else
+                     "worse than NoPE" if worse else "not shown beyond NoPE"}
+    return out
+
+
+def _sweep_table(sweeps: dict[str, dict[float, dict[str, Any]]], rates: dict[str, float],
+                 sweep: dict[str, Any]) -> dict[str, Any]:
+    grid = sorted(float(r) for r in sweep["learning_rates"])
+    out = {}
+    for name, by_rate in sweeps.items():
+        values = {}
+        for rate in grid:
+            r = by_rate.get(rate)
+            values[f"{rate:g}"] = (None if r is None else metric(r, sweep["metric"])
+                                   if r.get("status") == "ok" else "failed")
+        chosen = rates.get(name)
+        edge = chosen is not None and chosen in (grid[0], grid[-1])
+        out[name] = {"values": values, "chosen": chosen, "at_edge": edge}
+    return {"metric": sweep["metric"], "rates": [f"{r:g}" for r in grid], "entries": out}
+
+
+def _movement(groups: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per entry and positional parameter group (the path without its layer): the median over
+    seeds and layers of the relative change and the largest absolute change."""
+    out: dict[str, Any] = {}
+    for name, rs in groups.items():
+        acc: dict[str, dict[str, list[float]]] = {}
+        for r in ok(rs):
+            for path, v in (r.get("position_movement") or {}).items():
+                parts = [q.strip("[]'") for q in path.replace(".value", "").split("][")]
+                group = "/".join(q for q in parts if not q.startswith("layer_")
+                                 and q not in ("encoder", "params"))
+                slot = acc.setdefault(group, {"relative": [], "max_abs_change": []})
+                slot["relative"].append(v["relative"])
+                slot["max_abs_change"].append(v["max_abs_change"])
+        if acc:
+            out[name] = {g: {"relative": _nanmedian(v["relative"]),
+                             "max_abs_change": float(np.max(v["max_abs_change"]))}
+                         for g, v in acc.items()}
+    return out
+
+
+def _nanmedian(xs: list[float]) -> float | None:
+    finite = [x for x in xs if x is not None and np.isfinite(x)]
+    return float(np.median(finite)) if finite else None
 
 
 def _plain(x: Any) -> Any:
@@ -389,7 +608,8 @@ def _nested(groups: dict[str, list[dict[str, Any]]], field: str, key: str) -> di
                 if "reason" in v:
                     entry[f] = {"reason": v["reason"], "length": v["length"]}
                 elif key in v:
-                    entry.setdefault(f, {"values": [], "length": v["length"]})
+                    entry.setdefault(f, {"values": [], "length": v["length"],
+                                         "extended": bool(v.get("extended"))})
                     entry[f].setdefault("values", []).append(v[key])
         for f, v in entry.items():
             if "values" in v:
@@ -426,9 +646,24 @@ def read_analysis(root: pathlib.Path, cell: str) -> dict[str, np.ndarray] | None
 
 def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: dict[str, Any],
              kind: str) -> None:
+    def curves(suffix: str) -> dict[str, list[dict[str, np.ndarray]]]:
+        out: dict[str, list[dict[str, np.ndarray]]] = {}
+        for name, rs in groups.items():
+            for r in ok(rs):
+                path = root / "results" / f"{r['cell']}{suffix}_curve.csv"
+                if path.is_file():
+                    out.setdefault(name, []).append(read_curve(path))
+        return out
+
     keys = ("eval_loss", "eval_accuracy")
-    if (p := plot_curves(root, groups, root / "curves.png", keys)) is not None:
+    if (p := plot_curves(curves(""), root / "curves.png", keys,
+                         "held-out curves (mean over seeds, min–max band)")) is not None:
         rep["figures"].append(p.name)
+    for task in rep.get("synthetic", {}):
+        if (p := plot_curves(curves(f"+synth_{task}"), root / f"synthetic_{task}.png",
+                             ("train_loss", "eval_accuracy"),
+                             f"synthetic task {task}: learning curves")) is not None:
+            rep["figures"].append(p.name)
     for rs in groups.values():
         for r in ok(rs):
             data = read_analysis(root, r["cell"])
@@ -448,50 +683,96 @@ def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: d
                     data["vit_similarity"], root / f"position_similarity_{r['name']}.png").name)
 
 
+def _interval(p: dict[str, Any]) -> str:
+    if p["n"] < 2:
+        return f"{p['mean']:+.4f} (n = {p['n']}: no interval)"
+    return f"{p['mean']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]"
+
+
 def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
-    base = rep["baseline"]
+    base, floor, m = rep["baseline"], rep.get("floor"), rep["primary"][0]
     lines = [f"# {manifest.get('title') or manifest['kind'] + ' study'}", "",
-             f"Baseline: `{base}`. Built from `results/` only. Mean ± sample std over seeds "
-             "(n = finished seeds).", ""]
-    lines += ["## Cells", "", "| cell | scheme | status | note |", "|---|---|---|---|"]
-    for c in rep["cells"]:
-        note = c.get("error") or ""
-        if c.get("stage_errors"):
-            note += " follow-ups failed: " + "; ".join(f"{k}: {v}"
-                                                      for k, v in c["stage_errors"].items())
-        lines.append(f"| {c['cell']} | {c['scheme']} | {c['status']} | "
-                     f"{note.replace('|', '/').replace(chr(10), ' ')[:300]} |")
-    lines += _time_lines(rep["time"])
-    metrics_ = sorted(next(iter(rep["table"].values()), {}).keys() - {"status"})
-    lines += ["", "## Final held-out metrics", "",
-              "| entry | " + " | ".join(metrics_) + " |", "|---" * (len(metrics_) + 1) + "|"]
+             f"Baseline: `{base}`" + (f"; floor: `{floor}` (no positions)" if floor else "")
+             + ". Built from `results/` only. Mean ± sample std over seeds (n = finished "
+             "seeds); intervals are 95% paired t-intervals over seeds.", ""]
+    b = rep.get("baselines")
+    if b:
+        lines += ["## Baselines of the held-out targets", "",
+                  f"The same {b['num_predictions']:,} masked targets every model is scored on "
+                  f"(held-out split: {b['held_out_tokens']:,} tokens; fitted on the "
+                  f"{b['train_tokens']:,} training tokens, smoothing chosen to minimise the "
+                  "cross-entropy, so the strongest of its kind):", "",
+                  "| baseline | cross-entropy (nats) | perplexity |", "|---|---|---|",
+                  f"| unigram | {b['unigram']:.4f} | {b['unigram_perplexity']:.2f} |",
+                  f"| bigram (the true previous token) | {b['bigram']:.4f} | "
+                  f"{b['bigram_perplexity']:.2f} |", ""]
+    if rep.get("sweep"):
+        sw = rep["sweep"]
+        lines += ["## Learning-rate sweep (seed 1)", "",
+                  f"{sw['metric']} at each peak rate; seeds 2.. ran at the chosen rate (the "
+                  "sweep cell at that rate is the entry's seed 1).", "",
+                  "| entry | " + " | ".join(sw["rates"]) + " | chosen |",
+                  "|---" * (len(sw["rates"]) + 2) + "|"]
+        for name, e in sw["entries"].items():
+            vals = [("—" if v is None else v if isinstance(v, str) else f"{v:.4f}")
+                    for v in e["values"].values()]
+            chosen = "—" if e["chosen"] is None else f"{e['chosen']:g}" + (
+                " (edge of the grid)" if e["at_edge"] else "")
+            lines.append(f"| {name} | " + " | ".join(vals) + f" | {chosen} |")
+        lines.append("")
+    metrics_ = list(rep["primary"])
+    lines += ["## Final held-out metrics", "",
+              "| entry | " + " | ".join(metrics_) + (" | below bigram |" if b else " |"),
+              "|---" * (len(metrics_) + 1 + bool(b)) + "|"]
     for name, row in rep["table"].items():
-        lines.append(f"| {name} | " + " | ".join(fmt(row[m]) for m in metrics_) + " |")
-    lines += ["", f"## Paired comparison with {base}",
-              "", "Per-seed differences (entry − baseline), their mean and 95% t-interval; "
-              "\"not distinguishable\" where the interval covers 0.", "",
-              "| entry | metric | differences | mean | 95% interval | n | verdict |",
-              "|---|---|---|---|---|---|---|"]
-    for name, ms in rep["paired"].items():
-        for m, p in ms.items():
-            verdict = ("n < 2" if p["distinguishable"] is None else
-                       "distinguishable" if p["distinguishable"] else "not distinguishable")
-            diffs = ", ".join(f"{d:+.4f}" for d in p["differences"])
-            lines.append(f"| {name} | {m} | {diffs} | {p['mean']:+.4f} | "
-                         f"[{p['low']:+.4f}, {p['high']:+.4f}] | {p['n']} | {verdict} |")
+        gate_cell = ""
+        if b:
+            mean = row[metrics_[0]]["mean"]
+            gate_cell = " | " + ("—" if not np.isfinite(mean) else
+                                 "yes" if mean < b["bigram"] else "**no**")
+        lines.append(f"| {name} | " + " | ".join(fmt(row[x]) for x in metrics_)
+                     + gate_cell + " |")
+    lines += ["", f"## {m}: each entry against {base}"
+              + (f" and against {floor}" if floor else ""), "",
+              "Paired per seed (entry − other): mean and 95% t-interval."
+              + (f" The last column: one-sided test that the entry beats {floor}, Holm-"
+                 "adjusted across entries: a scheme helps only beyond no positions at all."
+                 if floor else ""), "",
+              f"| entry | − {base} | n |" + (f" − {floor} | n | beyond {floor} (p, Holm) |"
+                                             if floor else ""),
+              "|---|---|---|" + ("---|---|---|" if floor else "")]
+    for name, others in rep["paired"].items():
+        cols = []
+        for other in (base, floor) if floor else (base,):
+            p = others.get(other, {}).get(m)
+            cols += ["—", "—"] if p is None else [_interval(p), str(p["n"])]
+        if floor:
+            v = rep["floor_verdicts"].get(name)
+            cols.append("—" if v is None else f"{v['verdict']} ({v['p_adjusted']:.3g})")
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    if rep.get("movement"):
+        lines += ["", "## How far the positional parameters moved", "",
+                  "Per positional parameter (layers pooled): median over seeds and layers of "
+                  "‖θ_end − θ_init‖ / ‖θ_init‖, and the largest |θ_end − θ_init| of any "
+                  "element (for an additive logit bias: the most any logit moved).", "",
+                  "| entry | parameter | relative change | max abs change |", "|---|---|---|---|"]
+        for name, groups_ in rep["movement"].items():
+            for g, v in groups_.items():
+                rel = "— (zero init)" if v["relative"] is None else f"{v['relative']:.3f}"
+                lines.append(f"| {name} | {g} | {rel} | {v['max_abs_change']:.4f} |")
     if rep.get("convergence"):
         conv = rep["convergence"]
-        lines += ["", "## Convergence (TUPE's claim: TUPE reaches BERT-A's final loss at 30% of "
-                  "its steps)", "", f"Target, per seed: {base}'s final held-out loss of "
-                  f"that seed; ratio: the steps an entry needs to reach it over the steps {base} "
-                  "needs (mean over seeds); steps interpolated between evaluations.", "",
-                  "| entry | steps to target (mean) | seeds reaching | ratio per seed | "
-                  "ratio to baseline |", "|---|---|---|---|---|"]
+        lines += ["", "## Convergence (TUPE: BERT-A's final loss at 30% of its steps)", "",
+                  f"Target, per seed: {base}'s final held-out loss of that seed; ratio: the "
+                  f"steps an entry needs to reach it over the steps {base} needs; mean over "
+                  "seeds with its 95% t-interval.", "",
+                  "| entry | seeds reaching | ratio per seed | mean ratio [95% interval] |",
+                  "|---|---|---|---|"]
         for name, v in conv.items():
-            ms = "—" if v["mean_steps"] is None else f"{v['mean_steps']:.0f}"
             per_seed = ", ".join(f"s{seed}: {x:.2f}" for seed, x in sorted(v["ratios"].items()))
-            ratio = "—" if v["ratio"] is None else f"{v['ratio']:.2f}"
-            lines.append(f"| {name} | {ms} | {v['reached']} | {per_seed or '—'} | {ratio} |")
+            mi = stats.mean_interval(list(v["ratios"].values()))
+            lines.append(f"| {name} | {v['reached']} | {per_seed or '—'} | "
+                         f"{_interval(mi).replace('+', '')} |")
     if rep.get("glue"):
         tasks = sorted({t for v in rep["glue"].values() for t in v})
         if tasks:
@@ -500,11 +781,10 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
                       "|---" * (len(tasks) + 1) + "|"]
             for name, v in rep["glue"].items():
                 lines.append(f"| {name} | " + " | ".join(fmt(v[t], 3) for t in tasks) + " |")
-    lines += _cost_lines(rep, base)
-    for title, key, value in (("Length extrapolation (held-out MLM loss)", "extrapolation",
-                               "loss"),):
-        if rep.get(key):
-            lines += _length_table(title, rep[key])
+    if rep.get("extrapolation"):
+        lines += _length_table("Length extrapolation (held-out MLM loss of the same targets "
+                               "with the same masks inside windows of f·L)",
+                               rep["extrapolation"])
     for task, table in rep.get("synthetic", {}).items():
         lines += _length_table(f"Synthetic task `{task}` (held-out accuracy)", table)
     if rep.get("transfer"):
@@ -518,12 +798,28 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
         lines += ["", "## TUPE positional heads", "", f"Rule: {HEAD_RULE}.", ""]
         for name, labels in rep["head_labels"].items():
             lines.append(f"- {name}: " + ", ".join(f"head {i} {l}" for i, l in enumerate(labels)))
-    lines += ["", "## Claims", "", "| paper | claim | measured | verdict |", "|---|---|---|---|"]
+    lines += _cost_lines(rep, base)
+    lines += ["", "## Claims", "", "| paper | claim | measured (95% interval) | the paper's "
+              "effect | p (Holm) | verdict |", "|---|---|---|---|---|---|"]
     for c in rep["claims"]:
+        h = c["holm"]
+        pv = ("—" if not np.isfinite(h["p"]) else f"{h['p']:.3g}" + (
+            f" ({h['p_adjusted']:.3g})" if np.isfinite(h["p_adjusted"]) else ""))
+        why = f": {c['undecidable']}" if c["undecidable"] else ""
         lines.append(f"| {c.get('paper', '')} | {c['claim']} | {c['measured']} | "
-                     f"{c['verdict']} |")
+                     f"{c.get('paper_effect', '—')} | {pv} | {c['verdict']}{why} |")
     lines += ["", "Rules: " + "; ".join(f"**{k}**: {v}" for k, v in CLAIM_RULES.items()), ""]
-    lines += ["## Figures", ""] + [f"![{f}]({f})" for f in rep["figures"]]
+    lines += _time_lines(rep["time"])
+    lines += ["", "## Cells", "", "| cell | scheme | rate | status | note |", "|---|---|---|---|---|"]
+    for c in rep["cells"]:
+        note = c.get("error") or ""
+        if c.get("stage_errors"):
+            note += " follow-ups failed: " + "; ".join(f"{k}: {v}"
+                                                      for k, v in c["stage_errors"].items())
+        rate = "—" if c.get("learning_rate") is None else f"{c['learning_rate']:g}"
+        lines.append(f"| {c['cell']} | {c['scheme']} | {rate} | {c['status']} | "
+                     f"{note.replace('|', '/').replace(chr(10), ' ')[:300]} |")
+    lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in rep["figures"]]
     return "\n".join(lines) + "\n"
 
 
@@ -549,13 +845,15 @@ def _number(x: Any) -> bool:
 
 def _length_table(title: str, table: dict[str, Any]) -> list[str]:
     factors = sorted({f for v in table.values() for f in v}, key=int)
-    lines = ["", f"## {title}", "", "Trained at L, evaluated at f·L.", "",
+    lines = ["", f"## {title}", "", "Trained at L, evaluated at f·L; * an absolute table read "
+             "interpolated to f·L (model.extend_positions='interpolate').", "",
              "| entry | " + " | ".join(f"{f}L" for f in factors) + " |",
              "|---" * (len(factors) + 1) + "|"]
     for name, v in table.items():
         cells = []
         for f in factors:
             e = v.get(f)
-            cells.append("—" if e is None else e["reason"] if "reason" in e else fmt(e))
+            cells.append("—" if e is None else e["reason"] if "reason" in e else
+                         fmt(e) + ("*" if e.get("extended") else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

@@ -78,6 +78,16 @@ def load_params(workdir: pathlib.Path) -> dict[str, Any]:
         return ckptr.restore(path, args=args)["params"]
 
 
+def initial_params(config: ml_collections.ConfigDict) -> Any:
+    """The parameters train.py starts ``config`` from (its seed's initialisation), as numpy."""
+    import flax.linen as nn
+
+    task, model = build(config)
+    batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(1).items()}
+    params = nn.unbox(task.init_params(model, jax.random.PRNGKey(int(config.seed)), batch))
+    return jax.tree.map(np.asarray, params)
+
+
 def param_count(params: Any) -> int:
     return int(sum(np.size(x) for x in jax.tree.leaves(params)))
 
@@ -94,6 +104,7 @@ def evaluate_params(config: ml_collections.ConfigDict, params: Any,
     """``config``'s task metrics of ``params`` on its test split (one process, no mesh):
     used for held-out data at another length or resolution than the run's."""
     task, model = build(config)
+    model, params = task.for_evaluation(model, params)   # a table extended to the length
     batch_size = int(config.eval_batch_size or config.batch_size)
     pipe = task.make_pipeline("test", batch_size, int(config.seed), False, 0, 1)
     step = jax.jit(lambda p, b: task.eval_outputs(model, p, b))

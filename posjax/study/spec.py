@@ -5,8 +5,11 @@ optional ``model`` and ``train`` overrides) runs once per seed 1..``study.seeds`
 has the same base training config (``study.base``: ``"path/to/config.py[:variant]"`` plus
 ``study.base_overrides``), so only the position scheme and the cell's overrides differ.
 
-Cells are ordered seed-major (seed 1 of every entry first), so a grid stopped part-way has one
-seed of every scheme. ``check_study`` finds every problem before anything trains and raises one
+With ``study.sweep`` (``learning_rates``, ``metric``, ``better``), seed 1 of every entry first
+runs at each rate (cells ``<name>-lr<rate>``); seeds 2.. (``<name>-s<seed>``) run at the rate
+the sweep chose for the entry, and the sweep cell at that rate is the entry's seed 1. Cells are
+ordered sweep first, then seed-major (seed 2 of every entry next), so a grid stopped part-way
+has the same seeds of every scheme. ``check_study`` finds every problem before anything trains and raises one
 ``StudyConfigError`` naming the field and the fix.
 """
 from __future__ import annotations
@@ -21,23 +24,28 @@ import ml_collections
 
 from posjax.models.config import TEXT_SCHEMES, VIT_SCHEMES, TextConfig, ViTConfig
 from posjax.models.params import SAME_FUNCTION_FIELDS
+from posjax.models.schemes import SCHEMES
 
 KINDS = ("text", "vit")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
-# Scheme defaults on top of the base model (the recipes of configs/mlm_*.py: TUPE and BERT-A-d
-# without token types and with eps 1e-5; DeBERTa without absolute input positions).
-# A scheme missing here (rope, alibi, nope when they land) starts from the base model as is.
-TEXT_PRESETS: dict[str, dict[str, Any]] = {
-    "bert_abs": {}, "bert_rel": {},
-    "tupe_a": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
-    "tupe_r": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
-    "bert_abs_d": {"type_vocab_size": 0, "layer_norm_eps": 1e-5},
-    "deberta": {"type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": False},
-    "deberta_v2": {"type_vocab_size": 0, "layer_norm_eps": 1e-7, "position_biased_input": False,
-                   "share_att_key": True, "norm_rel_ebd": True},
-}
-VIT_PRESETS: dict[str, dict[str, Any]] = {}
+
+
+def scheme_presets(kind: str, scheme: str) -> dict[str, Any]:
+    """The scheme's own settings on top of the base model, read from its row of the scheme
+    table (as the recipes set them): DeBERTa without absolute input positions, DeBERTa-v3's
+    shared position keys and LayerNorm'd relative table where the scheme has log buckets.
+    Everything else (token types, LayerNorm eps, dropout, sizes) is the base model's, the
+    same for every entry."""
+    row = SCHEMES.get(scheme)
+    if kind != "text" or row is None:
+        return {}
+    out: dict[str, Any] = {}
+    if row.disentangled:
+        out["position_biased_input"] = False
+    if "position_buckets" in row.fields:
+        out.update(share_att_key=True, norm_rel_ebd=True)
+    return out
 
 
 class StudyConfigError(ValueError):
@@ -54,10 +62,17 @@ class Cell:
     model: dict[str, Any]       # the full model config of the primary run
     train: dict[str, Any]       # dotted train-config overrides of the entry
     pending: str = ""           # non-empty: not runnable (the reason), reported as such
+    learning_rate: float | None = None   # the cell's rate (None: the base config's)
+    sweep_chosen: bool = False  # learning_rate is the one the sweep chose for the entry
+
+    @property
+    def sweep(self) -> bool:
+        """A learning-rate sweep cell (seed 1 at one rate of ``study.sweep.learning_rates``)."""
+        return self.learning_rate is not None and not self.sweep_chosen
 
     @property
     def id(self) -> str:
-        return f"{self.name}-s{self.seed}"
+        return f"{self.name}-lr{self.learning_rate:g}" if self.sweep else f"{self.name}-s{self.seed}"
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -105,9 +120,8 @@ def unread_fields(config: Any, overrides: dict[str, Any]) -> list[tuple[str, tup
 
 
 def _cell_model(kind: str, base_model: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-    presets = TEXT_PRESETS if kind == "text" else VIT_PRESETS
     model = dict(base_model)
-    model.update(presets.get(entry["scheme"], {}))
+    model.update(scheme_presets(kind, entry["scheme"]))
     model["position_scheme"] = entry["scheme"]
     model.update(entry.get("model", {}))
     return model
@@ -134,6 +148,8 @@ def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.Config
                             f"{study.base!r}: remove it or fix its name")
     if kind == "vit" and not problems:
         problems += image_split_problems(study, base)
+    rates, sweep_problems = sweep_rates(study)
+    problems += sweep_problems
     base_model = dict(base.model)
     cls = model_class(kind)
     names: dict[str, int] = {}
@@ -193,20 +209,49 @@ def check_study(study: ml_collections.ConfigDict) -> tuple[ml_collections.Config
                 set_dotted(base.copy_and_resolve_references(), key, value)
             except KeyError:
                 problems.append(f"{where}.train[{key!r}]: no such key in the base config")
-        for seed in range(1, (seeds if isinstance(seeds, int) else 0) + 1):
+        for rate in rates:
+            cells.append(Cell(name, 1, scheme, model, train, pending, learning_rate=rate))
+        for seed in range(1 + bool(rates), (seeds if isinstance(seeds, int) else 0) + 1):
             cells.append(Cell(name, seed, scheme, model, train, pending))
     for i, claim in enumerate(study.get("claims", [])):
         for side in ("a", "b"):
             if claim.get(side) not in names:
                 problems.append(f"study.claims[{i}].{side}={claim.get(side)!r} is not a cell "
                                 f"name: use one of {', '.join(names)}")
-        if claim.get("rule", "paired") not in ("paired", "same", "convergence"):
-            problems.append(f"study.claims[{i}].rule={claim.get('rule')!r}: use 'paired', "
-                            "'same' or 'convergence'")
+        rule = claim.get("rule", "paired")
+        if rule not in ("paired", "same", "convergence"):
+            problems.append(f"study.claims[{i}].rule={rule!r}: use 'paired', 'same' or "
+                            "'convergence'")
+        elif rule == "same" and not (isinstance(claim.get("margin"), (int, float))
+                                     and claim["margin"] > 0):
+            problems.append(f"study.claims[{i}].margin={claim.get('margin')!r}: a 'same' claim "
+                            "is an equivalence test; write its margin (> 0, in the metric's "
+                            "units) in the config before the run")
     if problems:
         raise StudyConfigError("the study config cannot run:\n  " + "\n  ".join(problems))
-    cells.sort(key=lambda c: (c.seed, names[c.name]))
+    order = {rate: i for i, rate in enumerate(rates)}
+    cells.sort(key=lambda c: (not c.sweep, order.get(c.learning_rate, 0), c.seed, names[c.name]))
     return base, cells
+
+
+def sweep_rates(study: ml_collections.ConfigDict) -> tuple[list[float], list[str]]:
+    """(``study.sweep.learning_rates``, problems): the rates seed 1 of every entry runs at;
+    seeds 2.. then run at the entry's best (``study.sweep.metric``, ``study.sweep.better``)."""
+    sweep = study.get("sweep", None)
+    if not sweep:
+        return [], []
+    rates = list(sweep.get("learning_rates", []))
+    problems = []
+    if not rates or not all(isinstance(r, (int, float)) and r > 0 for r in rates) or len(
+            set(rates)) < len(rates):
+        problems.append(f"study.sweep.learning_rates={rates!r}: give distinct rates > 0, e.g. "
+                        "[3e-4, 1e-3, 3e-3]")
+    if not isinstance(sweep.get("metric"), str) or "." not in sweep.get("metric", ""):
+        problems.append(f"study.sweep.metric={sweep.get('metric')!r}: name the result the rate "
+                        "is chosen by, e.g. 'held_out.1.loss'")
+    if sweep.get("better") not in ("lower", "higher"):
+        problems.append(f"study.sweep.better={sweep.get('better')!r}: use 'lower' or 'higher'")
+    return [float(r) for r in rates], problems
 
 
 def image_split_problems(study: ml_collections.ConfigDict,

@@ -1,5 +1,6 @@
-"""Statistics of the report: mean ± std over seeds, paired comparisons with a t-interval, and
-the steps a curve needs to reach a target."""
+"""Statistics of the report: mean ± std over seeds, paired comparisons with a t-interval and
+one-sided p-values, the equivalence test (TOST), the t-interval of a mean (the convergence
+ratio), Holm's correction across claims, and the steps a curve needs to reach a target."""
 from __future__ import annotations
 
 import math
@@ -31,10 +32,54 @@ def paired(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> dic
                               "mean": float(np.mean(diffs)) if n else float("nan"),
                               "low": float("nan"), "high": float("nan"), "distinguishable": None}
     if n >= 2:
-        sd = float(np.std(diffs, ddof=1))
-        half = float(scipy_stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-        low, high = out["mean"] - half, out["mean"] + half
-        out.update(low=low, high=high, distinguishable=not (low <= 0.0 <= high))
+        out.update(mean_interval(diffs, level))
+        out["distinguishable"] = not (out["low"] <= 0.0 <= out["high"])
+    else:
+        out["why"] = f"n = {n}: no interval"
+    return out
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """The mean of ``values`` with its ``level`` t-interval (mean ± t_{n−1} · s/√n), the
+    standard error and n; n < 2: no interval (low/high nan)."""
+    v = np.asarray(values, np.float64)
+    n = len(v)
+    mean = float(v.mean()) if n else float("nan")
+    if n < 2:
+        return {"mean": mean, "low": float("nan"), "high": float("nan"), "se": float("nan"),
+                "n": n}
+    se = float(v.std(ddof=1)) / math.sqrt(n)
+    half = float(scipy_stats.t.ppf(0.5 + level / 2, n - 1)) * se
+    return {"mean": mean, "low": mean - half, "high": mean + half, "se": se, "n": n}
+
+
+def one_sided_p(mean: float, se: float, n: int, above: float = 0.0) -> float:
+    """p of the one-sided t-test of H0: true mean <= ``above`` (small: the mean is above)."""
+    if n < 2 or not np.isfinite(se):
+        return float("nan")
+    if se == 0.0:
+        return 0.0 if mean > above else 1.0
+    return float(scipy_stats.t.sf((mean - above) / se, n - 1))
+
+
+def tost(mean: float, se: float, n: int, margin: float) -> float:
+    """p of the equivalence test (two one-sided t-tests) of |true mean| < ``margin``: the
+    larger of the p-values of H0: mean <= −margin and H0: mean >= +margin."""
+    return max(one_sided_p(mean, se, n, -margin), one_sided_p(-mean, se, n, -margin))
+
+
+def holm(p_values: dict[str, float], alpha: float = 0.05) -> dict[str, dict[str, float]]:
+    """Holm's step-down correction: ``{key: {p, p_adjusted, rejected}}`` (nan p-values take no
+    part and are never rejected)."""
+    finite = sorted((p, k) for k, p in p_values.items() if np.isfinite(p))
+    m = len(finite)
+    out = {k: {"p": p, "p_adjusted": float("nan"), "rejected": False}
+           for k, p in p_values.items()}
+    running = 0.0
+    for i, (p, k) in enumerate(finite):
+        running = max(running, min(1.0, (m - i) * p))
+        out[k]["p_adjusted"] = running
+        out[k]["rejected"] = running <= alpha
     return out
 
 
