@@ -26,7 +26,7 @@ import sys
 from absl import app, flags, logging
 
 from posjax import cli
-from posjax.training import evaluator
+from posjax.training import evaluator, hosts
 
 SAVED_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "saved.py"
 
@@ -63,7 +63,7 @@ def main(argv):
     config = flags.FLAGS.config
 
     def evaluate() -> dict:
-        cli.maybe_initialize_distributed(config)
+        hosts.maybe_initialize_distributed(config)
         return evaluator.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
                              flags.FLAGS.step)
 

@@ -10,7 +10,7 @@ import sys
 from absl import app, flags, logging
 
 from posjax import cli
-from posjax.training import trainer
+from posjax.training import hosts, trainer
 
 DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "vit_digits.py")
 
@@ -34,7 +34,7 @@ def main(argv):
                  f"{DEFAULT_WORKDIR} is the default config's)")
 
     def train() -> trainer.TrainResult:
-        cli.maybe_initialize_distributed(config)
+        hosts.maybe_initialize_distributed(config)
         return trainer.train(config, workdir or DEFAULT_WORKDIR)
 
     result = cli.run_command(train)

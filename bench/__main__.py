@@ -1,7 +1,7 @@
 """``python -m bench``: see bench/run.py; ``python -m bench profile``: see bench/profile.py."""
 import sys
 
-from posjax.training.host_memory import keep_freed_memory
+from bench.host_memory import keep_freed_memory
 
 keep_freed_memory()   # both frameworks, before the first computation
 if sys.argv[1:2] == ["profile"]:

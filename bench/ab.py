@@ -34,7 +34,7 @@ if __package__ in (None, ""):   # `python bench/ab.py`
 from bench.common import (Progress, Table, load_average, median, median_ratio,  # noqa: E402
                           parse_options, ratio_range, repeats_for, timed, timed_steps)
 from bench.workloads import OursTrainer, all_workloads  # noqa: E402
-from posjax.training.host_memory import keep_freed_memory  # noqa: E402
+from bench.host_memory import keep_freed_memory  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

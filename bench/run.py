@@ -28,7 +28,7 @@ if __package__ in (None, ""):   # `python bench/run.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.common import one_line_error, parse_options  # noqa: E402
-from posjax.training import host_memory  # noqa: E402
+from bench import host_memory  # noqa: E402
 
 SUITES = ("throughput", "attention", "compile", "pipelines")
 # Share of the time budget per suite (unused time passes on to the next suite).
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "pipelines": pipelines}
     command = "python -m bench " + " ".join(argv)
     report = {"command": command, "environment": environment(), "suites": []}
-    report["environment"]["malloc"] = ("one arena, no mmap, no trim (posjax.training.host_memory)"
+    report["environment"]["malloc"] = ("one arena, no mmap, no trim (bench.host_memory)"
                                        if host_memory.kept() else "default")
     print(_header_markdown(report), flush=True)
     total = Budget(args.budget)

@@ -26,7 +26,7 @@ import optax
 from bench.common import block
 from posjax import (TextConfig, TextForMaskedLM, TextForSequenceClassification, ViT,
                     ViTConfig)
-from posjax.training import flops
+from posjax.models import flops
 
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
@@ -167,7 +167,7 @@ def all_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
 
 def forward_flops(w: Workload, every_row: bool = False) -> float:
     """Matmul FLOPs of one forward pass over the whole batch (2 per multiply-add), as
-    ``posjax.training.flops`` counts them for the model as it runs: per layer projections
+    ``posjax.models.flops`` counts them for the model as it runs: per layer projections
     2·L·4H², MLP 2·L·2HF, scores and weighted values 4·L²·H, except that the last layer of a
     [CLS] classifier computes token 0 alone (``Encoder(first_only=True)``). Terms that do not
     depend on the batch are counted once per step: DeBERTa's table projections 2·R·H² per

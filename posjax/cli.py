@@ -13,38 +13,15 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 import jax
-import ml_collections
 
-from posjax.training import checkpoint as ckpt_lib
+from posjax.io_utils import SaveFailed
 from posjax.training import errors
+from posjax.training import hosts
 
 
 EXIT_GRACE_S = 3.0   # run_command: how long a failing process > 0 lets process 0 print
 EMPTY_WORKDIR = "error: --workdir is empty (an unset shell variable?): give the run's directory"
 T = TypeVar("T")
-
-
-def maybe_initialize_distributed(config: ml_collections.ConfigDict) -> None:
-    """jax.distributed.initialize when ``config.distributed.enabled`` (before any device use).
-    Empty address / 0 processes / -1 id: auto-detected (TPU pods, SLURM, ...)."""
-    d = config.distributed
-    if not d.enabled:
-        return
-    kwargs = {}
-    if d.coordinator_address:
-        kwargs["coordinator_address"] = d.coordinator_address
-    if d.num_processes > 0:
-        kwargs["num_processes"] = int(d.num_processes)
-    if d.process_id >= 0:
-        kwargs["process_id"] = int(d.process_id)
-    timeout = d.get("peer_timeout_s", 120)
-    if not (isinstance(timeout, (int, float)) and 1 <= timeout < 86400):
-        raise ValueError(f"distributed.peer_timeout_s={timeout!r} is not valid: give the "
-                         "seconds (at least 1, e.g. 120) after which a silent process counts "
-                         "as lost and every process stops")
-    # A process whose heartbeats stop for this long (dead host, hung or stopped process) is
-    # declared lost by JAX's coordination service, which then ends every other process.
-    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=max(int(timeout), 1))
 
 
 def _exit_finished(signum: int, frame: Any) -> None:
@@ -54,7 +31,7 @@ def _exit_finished(signum: int, frame: Any) -> None:
 
 def run_command(action: Callable[[], T]) -> T:
     """``action()`` for train.py / eval.py: a ValueError (bad input), ``Diverged`` or
-    ``checkpoint.SaveFailed`` ends the program with 'error: …' and status 1, an abort by
+    ``io_utils.SaveFailed`` ends the program with 'error: …' and status 1, an abort by
     Ctrl-C with one line and status 130.
     With several processes every failure ends this process at once (``os._exit`` after
     printing): a normal exit would wait at JAX's shutdown barrier for the other processes,
@@ -79,9 +56,9 @@ def run_command(action: Callable[[], T]) -> T:
         if isinstance(e, KeyboardInterrupt) and not several:   # a second Ctrl-C (StopRequest)
             print("aborted by Ctrl-C", file=sys.stderr)
             sys.exit(130)
-        if isinstance(e, (ValueError, errors.Diverged, ckpt_lib.SaveFailed)):
+        if isinstance(e, (ValueError, errors.Diverged, SaveFailed)):
             message = f"error: {e}"
-        elif several and (lost := errors.peer_lost_message(e)):
+        elif several and (lost := hosts.peer_lost_message(e)):
             message = f"error: {lost}"
         elif not several:
             raise

@@ -1,6 +1,7 @@
 """File and signal utilities with no dependency beyond the standard library: local paths
-(``local_path``: no URLs), writable folders, atomic writes, one-line error summaries, and
-signals kept from threads and input workers (``signals_to_receiver_thread``)."""
+(``local_path``: no URLs), writable folders, atomic writes, a failed write as one
+``SaveFailed`` (``writing``), one-line error summaries, and signals kept from threads and input
+workers (``signals_to_receiver_thread``)."""
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,25 @@ def signals_to_receiver_thread() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint, or another file of the run (``writing``), could not be written (a full
+    disk, a folder no longer writable)."""
+
+
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """An OSError inside, while ``what`` (naming the file) is written, raises one SaveFailed
+    saying so and how to go on: the metrics log, an eval result, a plot fail this way when
+    the disk fills (tracebacks from TensorBoard's writer, before)."""
+    try:
+        yield
+    except OSError as e:
+        raise SaveFailed(f"{what} could not be written ({type(e).__name__}: "
+                         f"{e.strerror or e}): is the disk full, or the folder no longer "
+                         "writable? Fix the storage, then run the command again (a training "
+                         "run resumes from its latest checkpoint)") from e
 
 
 def error_summary(error: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Plain-numpy float64 reference of every posjax model, written from DESIGN.md §3.
+"""Plain-numpy float64 reference of every posjax model, written from docs/design.md §3.
 
 It reads the Flax parameter tree (converted with ``to_float64``) and redoes the math in the
 most literal form, deliberately unlike the models: per-pair bucket and index matrices, the full

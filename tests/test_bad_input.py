@@ -5,7 +5,7 @@ folder (names, sizes, mtimes) is the same after the refused run as before. train
 run ``trainer.train``; published weights (``CONVERT_CASES``) go through
 ``python -m posjax.convert``, which reads them (``config.init_from`` takes only its output).
 The checks themselves live where they belong (run_config, optim, the model configs, the data
-readers, workdir, init_from_checks, posjax.convert, cli); this table gathers one case per kind
+readers, workdir, init_from_checks, posjax.convert, hosts); this table gathers one case per kind
 of mistake.
 """
 from __future__ import annotations
@@ -22,15 +22,15 @@ import jax
 import numpy as np
 import pytest
 
-from posjax import cli
 from posjax.convert import export_hf, save_checkpoint
 from posjax.convert.__main__ import main as convert_main
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.training import evaluator
+from posjax.training import hosts
 from posjax.training import trainer
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -411,7 +411,7 @@ def test_bad_workdir_is_refused_and_left_alone(name, tmp_path):
 def test_bad_peer_timeout_is_refused_before_jax_starts():
     config = tiny(**{"distributed.enabled": True, "distributed.peer_timeout_s": 0})
     with pytest.raises(ValueError, match=r"distributed.peer_timeout_s=0 is not valid"):
-        cli.maybe_initialize_distributed(config)
+        hosts.maybe_initialize_distributed(config)
 
 
 def test_eval_of_a_workdir_without_checkpoints_names_it(tmp_path):

@@ -21,14 +21,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from posjax.training import checkpoint as ckpt_lib
 from posjax.training import evaluator
-from posjax.training import integrity
 from posjax.training import run_setup
 from posjax.training import trainer
-from posjax.training import workdir as workdir_lib
+from posjax.training.checkpointing import checkpointer as ckpt_lib
+from posjax.training.checkpointing import integrity
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 from jax_env import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,7 +90,7 @@ def test_a_damaged_newest_step_is_moved_aside_and_the_run_resumes_from_the_one_b
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()
                 or "moved aside" in r.getMessage()]
     assert len(warnings) == 1 and f"moved aside to {aside}; using step 4 instead" in warnings[0]
-    assert workdir_lib.saved_steps(workdir) == [2, 4, 6]   # the listing ignores the aside
+    assert integrity.saved_steps(workdir) == [2, 4, 6]   # the listing ignores the aside
     assert result.eval == pytest.approx(straight_result.eval, abs=1e-6)
 
 
@@ -187,7 +186,7 @@ def test_eval_step_picks_a_step_and_a_bad_one_is_one_error_listing_the_intact_st
 
 
 # eval.py with the synthetic task of the tests registered.
-EVAL_PY = ("import runpy, sys; sys.path.insert(0, 'tests'); import test_training_synthetic; "
+EVAL_PY = ("import runpy, sys; sys.path.insert(0, 'tests'); import synthetic_runs; "
            "sys.argv[0] = 'eval.py'; runpy.run_path('eval.py', run_name='__main__')")
 
 

@@ -19,7 +19,7 @@ SCRATCH_MIB = 64
 # glibc's mmap threshold; prints the minor page faults of the third call.
 SCRIPT = textwrap.dedent("""
     import resource, sys
-    from posjax.training import host_memory
+    from bench import host_memory
     assert not host_memory.kept()
     if sys.argv[1] == "keep":
         assert host_memory.keep_freed_memory()
@@ -54,7 +54,7 @@ def test_scratch_block_is_reused_not_faulted_in():
 
 @pytest.mark.parametrize("platforms, on_cpu", [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
 def test_platform_gate_reads_jax_platforms(platforms, on_cpu):
-    script = ("from posjax.training import host_memory as h; "
+    script = ("from bench import host_memory as h; "
               "print(h.jax_runs_on_cpu(), h.keep_freed_memory())")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "JAX_PLATFORMS": platforms})

@@ -17,7 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 from posjax.training import run_setup
 from posjax.training import init_from_checks
 from posjax.training import init_from as init_from_lib

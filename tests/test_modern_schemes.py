@@ -11,7 +11,7 @@ from posjax import TextConfig, ViTConfig
 from posjax.layers import positions
 from posjax.layers.attention import MultiHeadAttention
 from posjax.models.schemes import SCHEMES, TEXT_SCHEMES, VIT_SCHEMES
-from posjax.training.flops import encoder_forward_flops, position_flops
+from posjax.models.flops import encoder_forward_flops, position_flops
 
 
 def llama_attention(hidden: int, heads: int, base: float, seed: int):

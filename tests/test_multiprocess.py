@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 from jax_env import compilation_cache, xla_flags
-from posjax.training import checkpoint as ckpt_lib
-from posjax.training import results as results_lib
 from posjax.training import run_setup
 from posjax.training import trainer
+from posjax.training import workdir as workdir_lib
+from posjax.training.checkpointing import checkpointer as ckpt_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM_STEPS = 24
@@ -214,8 +214,8 @@ def test_two_processes_equal_one_process(runs):
     assert sorted(losses_multi) == sorted(losses_single) == list(range(1, NUM_STEPS + 1))
     for step, loss in losses_single.items():
         assert abs(losses_multi[step] - loss) <= 1e-5, (step, losses_multi[step], loss)
-    eval_multi = json.loads(results_lib.eval_file(multi, NUM_STEPS, "test").read_text())
-    eval_single = json.loads(results_lib.eval_file(single, NUM_STEPS, "test").read_text())
+    eval_multi = json.loads(workdir_lib.eval_file(multi, NUM_STEPS, "test").read_text())
+    eval_single = json.loads(workdir_lib.eval_file(single, NUM_STEPS, "test").read_text())
     assert eval_multi["num_examples"] == eval_single["num_examples"] == 359
     assert abs(eval_multi["accuracy"] - eval_single["accuracy"]) <= 1 / 359
     config = digits_tiny(**OVERRIDES)
@@ -232,13 +232,12 @@ def test_two_processes_equal_one_process(runs):
 
 LISTING_WITHOUT_THE_LATEST_STEP = """
 import runpy, sys
-from posjax.training import results as results_lib
 from posjax.training import run_setup
 from posjax.training import trainer
-from posjax.training import workdir as workdir_lib
+from posjax.training.checkpointing import integrity
 if "--config.distributed.process_id=1" in sys.argv:
-    listed = workdir_lib.saved_steps
-    workdir_lib.saved_steps = lambda workdir: listed(workdir)[:-1]   # its listing lags a save
+    listed = integrity.saved_steps
+    integrity.saved_steps = lambda workdir: listed(workdir)[:-1]   # its listing lags a save
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -249,7 +248,7 @@ def test_eval_processes_evaluate_the_step_process_0_chose(runs):
     latest step yet. Both evaluate process 0's latest step, and the result is the run's own
     final eval (before, process 1 restored an older step into the same global state)."""
     _, multi, _, _, _ = runs
-    path = results_lib.eval_file(multi, NUM_STEPS, "test")
+    path = workdir_lib.eval_file(multi, NUM_STEPS, "test")
     trained = json.loads(path.read_text())
     path.unlink()
     results = launch(multi, multi.parent, "eval", config=f"configs/saved.py:{multi}",
@@ -285,13 +284,13 @@ def test_eval_processes_agree_on_init_from_weights_and_evaluate_them(runs, tmp_p
     workdir: both read the same checkpoint (fingerprints agree) and give the run's own final
     eval, as step 0."""
     _, multi, _, _, _ = runs
-    trained = json.loads(results_lib.eval_file(multi, NUM_STEPS, "test").read_text())
+    trained = json.loads(workdir_lib.eval_file(multi, NUM_STEPS, "test").read_text())
     results = launch(tmp_path / "eval", tmp_path, "eval_init_from",
                      config=f"configs/saved.py:{multi}", script="eval.py",
                      overrides={"peak_flops": 1e12, "init_from": str(multi)})
     for output, code in results:
         assert code == 0, output[-3000:]
-    evaluated = json.loads(results_lib.eval_file(tmp_path / "eval", 0, "test").read_text())
+    evaluated = json.loads(workdir_lib.eval_file(tmp_path / "eval", 0, "test").read_text())
     assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
 
 

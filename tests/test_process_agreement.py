@@ -1,6 +1,6 @@
 """What the processes of a run must agree on (``posjax.training.processes``), with a second
-process simulated: ``gather`` gives this process's value and a changed copy of it as process
-1's. The real all-gather between two processes is tested in test_multiprocess.py."""
+process simulated: ``hosts.gather`` gives this process's value and a changed copy of it as
+process 1's. The real all-gather between two processes is tested in test_multiprocess.py."""
 from __future__ import annotations
 
 import copy
@@ -11,12 +11,13 @@ import types
 import pytest
 
 from posjax import config_defaults
+from posjax.training import hosts
 from posjax.training import processes
 
 
 
 def _second_process(monkeypatch, change) -> list:
-    """``processes.gather`` as two processes: this one's value, then process 1's, a copy that
+    """``hosts.gather`` as two processes: this one's value, then process 1's, a copy that
     ``change`` (if given) edits in place. Returns the list of the values gathered, filled as
     they are asked for."""
     asked = []
@@ -27,13 +28,13 @@ def _second_process(monkeypatch, change) -> list:
         if change:
             change(other)
         return [value, other]
-    monkeypatch.setattr(processes, "several", lambda: True)
-    monkeypatch.setattr(processes, "gather", gather)
+    monkeypatch.setattr(hosts, "several", lambda: True)
+    monkeypatch.setattr(hosts, "gather", gather)
     return asked
 
 
 def test_one_process_gathers_its_own_value():
-    assert processes.gather({"a": [1, 2]}) == [{"a": [1, 2]}]
+    assert hosts.gather({"a": [1, 2]}) == [{"a": [1, 2]}]
 
 
 def test_one_process_compares_nothing_and_writes_no_probe(tmp_path: pathlib.Path):
@@ -122,8 +123,8 @@ def test_a_workdir_a_process_does_not_share_is_one_error(tmp_path: pathlib.Path,
     def gather(value):   # process 1 reads its own, empty directory
         views.append(value)
         return [value, None]
-    monkeypatch.setattr(processes, "several", lambda: True)
-    monkeypatch.setattr(processes, "gather", gather)
+    monkeypatch.setattr(hosts, "several", lambda: True)
+    monkeypatch.setattr(hosts, "gather", gather)
     with pytest.raises(ValueError, match=r"workdir '.*' is not one directory shared by every "
                                          r"process: process 1 does not see a file that process "
                                          r"0 wrote there"):
@@ -143,8 +144,8 @@ def test_a_workdir_every_process_sees_passes(tmp_path: pathlib.Path, monkeypatch
     def gather(value):
         names.append(value)
         return [value, value, value]
-    monkeypatch.setattr(processes, "several", lambda: True)
-    monkeypatch.setattr(processes, "gather", gather)
+    monkeypatch.setattr(hosts, "several", lambda: True)
+    monkeypatch.setattr(hosts, "gather", gather)
     processes.check_shared_workdir(tmp_path)
     processes.check_shared_workdir(tmp_path)
     assert names[0][0] != names[2][0]   # a new probe name each time

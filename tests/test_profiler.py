@@ -9,7 +9,7 @@ import pytest
 
 from posjax.training import trainer
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 
 
 def _traces(workdir) -> list:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from posjax.training import checkpoint as ckpt_lib
+from posjax.training.checkpointing import checkpointer as ckpt_lib
 from posjax.training import evaluator
 from posjax.training import run_setup
 from posjax.training import trainer

@@ -359,8 +359,8 @@ def test_divergence_stops_before_saving_a_non_finite_state(tmp_path):
 
 HOLD_WORKDIR = """
 import pathlib, sys, time
-from posjax.training import workdir_lock
-with workdir_lock.exclusive(pathlib.Path(sys.argv[1])):   # as a training run does
+from posjax.training.checkpointing import lock
+with lock.exclusive(pathlib.Path(sys.argv[1])):   # as a training run does
     print("holding", flush=True)
     time.sleep(600)
 """
@@ -438,7 +438,7 @@ def test_a_save_that_fails_for_lack_of_space_is_one_error_naming_the_step(tmp_pa
                          "storage, then start this run again to resume from there"), last
     assert [p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
     # Step 2 still matches its integrity record, and the half-written step 4 is never resumed.
-    from posjax.training import integrity
+    from posjax.training.checkpointing import integrity
     assert integrity.damage(workdir / "checkpoints" / "2") is None
     assert (workdir / "checkpoints" / "2" / integrity.RECORD_FILE).is_file()
     done = _run("train.py", *TINY, f"--workdir={workdir}")
@@ -466,8 +466,9 @@ def test_a_metrics_log_that_cannot_be_written_is_one_error(tmp_path):
 BACKGROUND_SAVE = """
 import sys, time
 import grain, numpy as np
-from posjax.training import checkpoint
-checkpointer = checkpoint.Checkpointer(sys.argv[1], every_steps=1, keep=0)
+from posjax.io_utils import SaveFailed
+from posjax.training.checkpointing.checkpointer import Checkpointer
+checkpointer = Checkpointer(sys.argv[1], every_steps=1, keep=0)
 iterator = iter(grain.MapDataset.range(4).to_iter_dataset())
 checkpointer.save(1, {"weights": np.random.default_rng(0).random(100_000, np.float32)},
                 iterator)   # 400 kB that do not compress
@@ -475,7 +476,7 @@ while checkpointer.manager.is_saving_in_progress():
     time.sleep(0.05)
 try:
     checkpointer.check_background_save()
-except checkpoint.SaveFailed as e:
+except SaveFailed as e:
     print("raised:", str(e)[:60], flush=True)
 checkpointer.close()
 print("closed", flush=True)

@@ -29,11 +29,9 @@ import pytest
 
 from posjax import config_defaults
 from posjax.models.config import TextConfig
-from posjax.training import checkpoint as ckpt_lib
 from posjax.training import errors as errors_lib
 from posjax.training import evaluator
 from posjax.training import mesh as mesh_lib
-from posjax.training import results as results_lib
 from posjax.training import run_setup
 from posjax.training import steps as steps_lib
 from posjax.training import trainer
@@ -41,9 +39,11 @@ from posjax.training import workdir as workdir_lib
 from posjax.training import init_from_checks
 from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
+from posjax.training.checkpointing import checkpointer as ckpt_lib
+from posjax.training.checkpointing import integrity
 from posjax.training.tasks import make_task
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 
 
 def _restore(config, workdir, step, devices=None, mesh_cfg=None):
@@ -87,8 +87,8 @@ def test_resumed_run_is_bit_identical(runs):
     train_a = [(r["step"], r["loss"]) for r in _records(straight) if r["split"] == "train"]
     train_b = [(r["step"], r["loss"]) for r in _records(resumed) if r["split"] == "train"]
     assert train_a == train_b and [s for s, _ in train_a] == list(range(1, 7))
-    assert results_lib.eval_file(straight, 6, "test").read_text() == \
-        results_lib.eval_file(resumed, 6, "test").read_text()
+    assert workdir_lib.eval_file(straight, 6, "test").read_text() == \
+        workdir_lib.eval_file(resumed, 6, "test").read_text()
     assert (resumed / "loss_curve.png").stat().st_size > 0
 
 
@@ -120,28 +120,28 @@ def test_restore_onto_another_mesh_and_device_count(runs):
 
 def test_eval_reproduces_the_training_eval(runs):
     config, straight, _, _ = runs
-    written_by_training = results_lib.eval_file(straight, 6, "test").read_text()
+    written_by_training = workdir_lib.eval_file(straight, 6, "test").read_text()
     result = evaluator.evaluate(config, straight)
-    written = json.loads(results_lib.eval_file(straight, 6, "test").read_text())
+    written = json.loads(workdir_lib.eval_file(straight, 6, "test").read_text())
     assert result == written and written["num_examples"] == 40 and written["split"] == "test"
     assert json.loads(written_by_training) == written
     # Another split gets its own file; the test split's stays as it was.
     other = config.copy_and_resolve_references()
     other.data = {"test_split": "train[:50%]"}
     assert evaluator.evaluate(other, straight)["split"] == "train[:50%]"
-    assert results_lib.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
-    assert results_lib.eval_file(straight, 6, "train[:50%]").exists()
-    assert results_lib.eval_file(straight, 6, "test").read_text() == written_by_training
+    assert workdir_lib.eval_file(straight, 6, "train[:50%]").name == "eval_6_train_-50%.json"
+    assert workdir_lib.eval_file(straight, 6, "train[:50%]").exists()
+    assert workdir_lib.eval_file(straight, 6, "test").read_text() == written_by_training
     # Other data than the run's (a data_dir it did not read) is written beside, not over, the
     # run's results, and the file says which data it is.
     moved = config.copy_and_resolve_references()
     moved.data = {"data_dir": "/elsewhere"}
     evaluator.evaluate(moved, straight)
-    tag = results_lib.eval_tag(config_defaults.read_saved_config(straight), moved)
+    tag = workdir_lib.eval_tag(config_defaults.read_saved_config(straight), moved)
     assert re.fullmatch(r"_data-[0-9a-f]{8}", tag)
-    assert json.loads(results_lib.eval_file(straight, 6, "test", tag).read_text())["data"] == \
+    assert json.loads(workdir_lib.eval_file(straight, 6, "test", tag).read_text())["data"] == \
         {"data.data_dir": "/elsewhere"}
-    assert results_lib.eval_file(straight, 6, "test").read_text() == written_by_training
+    assert workdir_lib.eval_file(straight, 6, "test").read_text() == written_by_training
     with pytest.raises(ValueError, match="holds no such step"):
         evaluator.evaluate(config, straight, step=5)
 
@@ -168,8 +168,8 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
     config, straight, _, _ = runs
     pretrained = syn.tiny_config(init_from=str(straight))
     result = evaluator.evaluate(pretrained, tmp_path / "eval")
-    assert result == {**json.loads(results_lib.eval_file(straight, 6, "test").read_text()), "step": 0}
-    assert json.loads(results_lib.eval_file(tmp_path / "eval", 0, "test").read_text()) == result
+    assert result == {**json.loads(workdir_lib.eval_file(straight, 6, "test").read_text()), "step": 0}
+    assert json.loads(workdir_lib.eval_file(tmp_path / "eval", 0, "test").read_text()) == result
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["checkpoints"]
     refused = {
         "a pre_logits layer": ({"model.representation_size": 8}, 0, re.escape(
@@ -205,13 +205,13 @@ def test_eval_of_init_from_weights_as_they_are(runs, tmp_path):
 
 def test_rerunning_a_finished_run_logs_its_final_eval_once(runs):
     config, straight, _, _ = runs
-    written = results_lib.eval_file(straight, 6, "test").read_text()
+    written = workdir_lib.eval_file(straight, 6, "test").read_text()
     result = trainer.train(config, straight)
     assert result.step == 6 and not result.preempted
     assert result.eval == {k: v for k, v in json.loads(written).items()
                            if k not in ("step", "split")}
     assert [r["step"] for r in _records(straight) if r["split"] == "eval"] == [6]
-    assert results_lib.eval_file(straight, 6, "test").read_text() == written
+    assert workdir_lib.eval_file(straight, 6, "test").read_text() == written
 
 
 def test_a_final_eval_cut_short_by_a_crash_is_logged_once_by_the_rerun(runs, tmp_path):
@@ -219,7 +219,7 @@ def test_a_final_eval_cut_short_by_a_crash_is_logged_once_by_the_rerun(runs, tmp
     rerun leaves exactly one eval record of the last step (it logged a second one)."""
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    results_lib.eval_file(workdir, 6, "test").unlink()          # record logged, JSON not written
+    workdir_lib.eval_file(workdir, 6, "test").unlink()          # record logged, JSON not written
     trainer.train(config, workdir)
     assert [r["step"] for r in _records(workdir) if r["split"] == "eval"] == [6]
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
@@ -240,7 +240,7 @@ def test_a_training_run_removes_partial_saves_and_an_evaluation_does_not(runs, t
     evaluator.evaluate(config, workdir)
     assert partial.exists()
     trainer.train(config, workdir)
-    assert not partial.exists() and workdir_lib.saved_steps(workdir)[-1] == 6
+    assert not partial.exists() and integrity.saved_steps(workdir)[-1] == 6
 
 
 def test_eval_beside_a_run_that_rotates_the_step_out_reads_the_new_latest(runs, tmp_path,
@@ -567,7 +567,7 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    steps = workdir_lib.saved_steps(workdir)
+    steps = integrity.saved_steps(workdir)
     assert len(steps) >= 2
     for step in steps:   # every step: a resume falls back on an intact one (test_checkpoint_fallback)
         for data in (workdir / "checkpoints" / str(step) / "state").rglob("d/*"):
@@ -590,7 +590,7 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
 def test_a_resume_with_another_process_count_is_refused_up_front(runs, tmp_path):
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
-    last = workdir / "checkpoints" / str(workdir_lib.saved_steps(workdir)[-1])
+    last = workdir / "checkpoints" / str(integrity.saved_steps(workdir)[-1])
     (last / "data_iter" / "process_0-of-1.json").rename(last / "data_iter" / "process_0-of-2.json")
     (last / "data_iter" / "process_1-of-2.json").write_text("{}")
     with pytest.raises(ValueError, match=rf"checkpoint {last} holds input-iterator states for 2 "
@@ -645,7 +645,7 @@ def test_a_train_step_out_of_memory_names_what_to_change_and_keeps_the_checkpoin
         r"or shard the state over more devices \(mesh.fsdp, now 1; mesh.tensor, now 1\)\.",
         message), message
     assert "RESOURCE_EXHAUSTED: Out of memory allocating 1125899906842624 bytes." in caplog.text
-    assert workdir_lib.saved_steps(tmp_path) == [2]
+    assert integrity.saved_steps(tmp_path) == [2]
     monkeypatch.undo()
     result = trainer.train(config, tmp_path)
     assert (result.start, result.step) == (2, config.num_steps)
@@ -716,7 +716,7 @@ def test_an_eval_out_of_memory_during_training_counts_the_train_state(tmp_path, 
                                          r"the train state \(parameters and optimizer state\) "
                                          r"takes [0-9.]+ [KMG]?i?B; the rest holds one eval batch's"):
         trainer.train(config, tmp_path)
-    assert workdir_lib.saved_steps(tmp_path) == [2]
+    assert integrity.saved_steps(tmp_path) == [2]
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "init_from"])

@@ -12,7 +12,7 @@ from posjax.training import optim, state as state_lib, steps
 from posjax.training.tasks import make_task
 from configs.text_recipes import mlm_config
 
-import test_training_synthetic as syn
+import synthetic_runs as syn
 
 BATCH = 32
 NUM_STEPS = 5

@@ -12,7 +12,7 @@ Checkpoint layouts handled (names as in the files users download):
 - MLM head: official ``lm_predictions.lm_head.{dense, LayerNorm, bias}`` or the HF legacy
   ``cls.predictions.{transform.dense, transform.LayerNorm, bias}`` (decoder tied to the word
   embeddings). With ``position_biased_input=False`` the official checkpoints still carry
-  ``embeddings.position_embeddings``: we keep it and enable EMD (DESIGN.md §3.3).
+  ``embeddings.position_embeddings``: we keep it and enable EMD (docs/design.md §3.3).
 - Classification: ``pooler.dense`` (ContextPooler, act = pooler_hidden_act) + ``classifier``.
 - ``mask_predictions.*`` (the v3 replaced-token-detection head) has no posjax module: dropped
   with a warning.

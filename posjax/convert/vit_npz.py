@@ -1,6 +1,6 @@
 """ViT ``.npz`` checkpoints of the official vit_jax and big_vision code -> posjax ViT.
 
-vit_jax names (DESIGN.md §3.4): ``embedding/{kernel,bias}``, ``cls``,
+vit_jax names (docs/design.md §3.4): ``embedding/{kernel,bias}``, ``cls``,
 ``Transformer/posembed_input/pos_embedding``, ``Transformer/encoderblock_{i}/{LayerNorm_0,
 MultiHeadDotProductAttention_1/{query,key,value,out}, LayerNorm_2, MlpBlock_3/Dense_{0,1}}``,
 ``Transformer/encoder_norm``, optional ``pre_logits`` and ``head``; hybrids add the ResNet-v2

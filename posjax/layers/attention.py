@@ -1,7 +1,7 @@
 """The attention core shared by every scheme, and standard multi-head attention.
 
 Every scheme reduces to ``softmax(sum of additive logit terms, masked) @ V``: the schemes
-differ only in which terms they add (DESIGN.md §2). Logits, masking and softmax run in fp32.
+differ only in which terms they add (docs/design.md §2). Logits, masking and softmax run in fp32.
 """
 from __future__ import annotations
 

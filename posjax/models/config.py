@@ -134,7 +134,7 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """A post-LN text encoder whose position scheme is a choice (DESIGN.md §3).
+    """A post-LN text encoder whose position scheme is a choice (docs/design.md §3).
 
     Scheme-specific fields are ignored by schemes that do not use them.
     """

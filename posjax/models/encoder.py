@@ -1,4 +1,4 @@
-"""One Transformer encoder for every position scheme (DESIGN.md §2).
+"""One Transformer encoder for every position scheme (docs/design.md §2).
 
 The scheme decides (i) what the embeddings add to the input (outside this module) and (ii) the
 additive attention-logit terms, which ``Encoder.position_terms`` computes ONCE per forward and

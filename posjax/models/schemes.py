@@ -1,6 +1,6 @@
 """The position schemes, one row each: the only list of scheme names in posjax.
 
-A scheme gives a Transformer positions in at most three places (DESIGN.md §2):
+A scheme gives a Transformer positions in at most three places (docs/design.md §2):
 
 * ``input``: what is added to the token embeddings — ``learned`` (an absolute table, BERT/ViT),
   ``optional`` (DeBERTa: a learned table only with ``position_biased_input``, or for its EMD),

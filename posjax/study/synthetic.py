@@ -23,7 +23,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from posjax.training import flops
+from posjax.models import flops
 from posjax.training.tasks import register_task
 from posjax.training.text_tasks import MaskedLanguageModel, mlm_head_flops
 

@@ -1,22 +1,21 @@
 """Errors a run ends with, in the user's terms: out of memory (``memory_advice``: what each
 device holds and which config keys make it fit) and divergence (``Diverged``: a NaN or inf is
-never saved), and a lost peer process (``peer_lost_message``)."""
+never saved). A lost peer process: ``hosts.peer_lost_message``."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-import re
 from typing import TYPE_CHECKING, Any, Iterator
 
 import jax
 import numpy as np
 
 from posjax import checkpoint_io
-from posjax.training import checkpoint as ckpt_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
 from posjax.training import state as state_lib
+from posjax.training.checkpointing.checkpointer import Checkpointer
 
 if TYPE_CHECKING:
     from posjax.training import run_setup
@@ -149,7 +148,7 @@ DIVERGENCE_METRICS = ("loss", "grad_norm")
 
 
 def stop_if_diverged(step: int, accumulator: metrics_lib.MetricAccumulator,
-                      state: state_lib.TrainState, checkpointer: ckpt_lib.Checkpointer,
+                      state: state_lib.TrainState, checkpointer: Checkpointer,
                       writer: metrics_lib.MetricWriter) -> None:
     """Before a save: raise ``Diverged`` unless the loss and gradient-norm sums of the steps
     since the last log and every value of ``state`` (the weights after this step's update,
@@ -161,7 +160,7 @@ def stop_if_diverged(step: int, accumulator: metrics_lib.MetricAccumulator,
         diverged(step, "the updated weights or optimizer state", checkpointer, writer)
 
 
-def diverged(step: int, what: str, checkpointer: ckpt_lib.Checkpointer,
+def diverged(step: int, what: str, checkpointer: Checkpointer,
               writer: metrics_lib.MetricWriter) -> None:
     writer.close()
     checkpointer.wait()
@@ -173,25 +172,3 @@ def diverged(step: int, what: str, checkpointer: ckpt_lib.Checkpointer,
                    f"stopped before saving that state: {kept}. Lower optimizer.learning_rate, "
                    "raise optimizer.warmup_steps or set optimizer.grad_clip_norm, and start "
                    "again in a new workdir (init_from can start it from a checkpoint)")
-
-
-# How a collective or the coordination service words a process that is gone (its TCP
-# connections reset, its heartbeats stopped).
-_PEER_LOST = re.compile(r"Gloo [\w-]+ failed|Connection (reset|closed) by peer|Socket closed|"
-                        r"missing heartbeats|heartbeat timeout|tasks? (has |have )?"
-                        r"(died|disconnected|unhealthy)|DEADLINE_EXCEEDED: Barrier", re.I)
-
-
-def peer_lost_message(error: BaseException) -> str | None:
-    """One line for an error that says another process of the run is gone (killed, its host
-    lost); None for any other error."""
-    seen = error
-    while seen is not None:
-        text = str(seen)
-        if _PEER_LOST.search(text):
-            cause = checkpoint_io.short_error(text)
-            return (f"a peer process was lost ({cause}); this process stops too. Start every "
-                    "process again (the same command): the run resumes from its last "
-                    "checkpoint")
-        seen = seen.__cause__ or seen.__context__
-    return None

@@ -1,10 +1,13 @@
-"""Evaluation: ``evaluate(config, workdir)`` (eval.py) restores a checkpoint, or evaluates
-``config.init_from``'s weights as step 0, and writes its result file; ``run_evaluation`` is
-one pass over the test split, shared with the trainer's periodic and final evaluations."""
+"""Evaluation: ``evaluate(config, workdir)`` (eval.py) restores a checkpoint (the newest intact
+step: ``checkpointing.resume``, as a training run resumes), or evaluates ``config.init_from``'s
+weights as step 0, and writes its result file (``write_eval``: ``workdir.eval_file``);
+``run_evaluation`` is one pass over the test split, shared with the trainer's periodic and
+final evaluations."""
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import pathlib
 import time
@@ -15,18 +18,19 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from posjax.io_utils import signals_to_receiver_thread
-from posjax.training import checkpoint as ckpt_lib
+from posjax import config_defaults
+from posjax.io_utils import signals_to_receiver_thread, writing
 from posjax.training import errors
+from posjax.training import init_from as init_from_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import processes
-from posjax.training import results
 from posjax.training import run_setup
-from posjax.training import init_from as init_from_lib
-from posjax.training import integrity
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir as workdir_lib
+from posjax.training.checkpointing import integrity
+from posjax.training.checkpointing import resume
+from posjax.training.checkpointing.checkpointer import Checkpointer, DamagedStep
 
 
 EVAL_PROGRESS_S = 10.0   # run_evaluation's progress lines: at most one per this many seconds
@@ -88,7 +92,7 @@ def run_evaluation(run: run_setup.Run, params: Any, eval_step,
     mask = np.concatenate(collected.pop("__mask__")).astype(bool)
     outputs = {k: np.concatenate(v)[mask] for k, v in collected.items()}
     if predictions_dir is not None and run.is_main:
-        with ckpt_lib.writing(f"the predictions in {predictions_dir}"):
+        with writing(f"the predictions in {predictions_dir}"):
             run.task.write_predictions(outputs, predictions_dir)
     return run.task.summarize(outputs)
 
@@ -113,7 +117,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if not _is_step_number(step):
         raise ValueError(f"eval_step={step!r} is not valid: give a saved step's number (an "
                          f"integer >= 0); {_choices(run.workdir)}")
-    steps = workdir_lib.saved_steps(run.workdir)
+    steps = integrity.saved_steps(run.workdir)
     latest = step is None
     if step is None and steps:
         step = steps[-1]
@@ -150,18 +154,9 @@ def _is_step_number(step: Any) -> bool:
                             and step >= 0)
 
 
-def intact_steps(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> list[int]:
-    """The saved steps of ``workdir`` (but those in ``but``) whose files match their integrity
-    record by name and size (no file is read: checksums are compared when a step is
-    restored; a step without a record counts as intact)."""
-    directory = workdir / "checkpoints"
-    return [s for s in workdir_lib.saved_steps(workdir)
-            if s not in but and integrity.damage(directory / str(s), checksums=False) is None]
-
-
 def _choices(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> str:
     """What eval_step may be in ``workdir``, for an error message."""
-    intact = intact_steps(workdir, but)
+    intact = integrity.intact_steps(workdir, but)
     if not intact:
         return (f"{workdir / 'checkpoints'} holds no intact step: train there first, or "
                 "evaluate another run's workdir")
@@ -195,9 +190,9 @@ def _evaluate_and_write(run: run_setup.Run, model: Any, params: Any, step: int,
         result = run_evaluation(run, params, eval_step, pipe.iterator,
                                 getattr(pipe, "num_batches", None),
                                 run.workdir / "predictions" / f"step_{step}{run.eval_tag}")
-    path = results.write_eval(run, step, result)
+    path = write_eval(run, step, result)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
-    return {"step": step, "split": results.evaluated_split(run.config), **result}
+    return {"step": step, "split": evaluated_split(run.config), **result}
 
 
 def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
@@ -221,62 +216,42 @@ def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
     return chosen, sorted({*steps, chosen})
 
 
-def _being_removed(checkpointer: ckpt_lib.Checkpointer, step: int, keep: int) -> bool:
+def _being_removed(checkpointer: Checkpointer, step: int, keep: int) -> bool:
     """Whether ``step`` is gone, or being removed by a run's ``checkpoint.keep`` (as many
     newer steps as it keeps are there)."""
-    steps = workdir_lib.saved_steps(checkpointer.directory.parent)
+    steps = integrity.saved_steps(checkpointer.directory.parent)
     return (not (checkpointer.directory / str(step)).exists()
             or 0 < keep <= sum(s > step for s in steps))
 
 
-def _damage_only(damage: ckpt_lib.DamagedStep) -> str:
-    """The damage ``damage`` names, without the trainer's way out."""
-    return str(damage).split(". If it is")[0]
-
-
-def _older_intact(checkpointer: ckpt_lib.Checkpointer, step: int, latest: bool,
-                  damage: ckpt_lib.DamagedStep, newest: ckpt_lib.DamagedStep | None) -> int:
-    """The step to try after ``step`` was found damaged: the next older one, when eval.py
-    evaluates the newest intact step (eval_step unset), with a warning naming the damage.
-    A step asked for by number is one error naming it and the intact steps; when no step is
-    older, the newest damage is raised. Nothing is moved aside: a run may be training in the
-    workdir."""
-    if not latest and damage.reason != "wrong-tree":   # another model: not damage
-        raise ValueError(f"eval_step={step}: {_damage_only(damage)}; "
-                         f"{_choices(checkpointer.directory.parent, but=(step,))}") from damage
-    older = [s for s in checkpointer.manager.all_steps() if s < step]
-    if not (latest and older) or damage.reason == "wrong-tree" and newest is None:
-        raise newest or damage
-    logging.warning("%s; evaluating step %d instead", _damage_only(damage), max(older))
-    return max(older)
-
-
 def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
                       ) -> tuple[state_lib.TrainState, int]:
-    """The state at ``step``. A run training in the workdir may rotate that step out
-    (checkpoint.keep) while eval.py starts: then the new ``latest`` step is read, or, for a
-    step asked for by number, one error says what happened."""
+    """The state at ``step``, or, when eval.py evaluates the newest intact step (``latest``),
+    at the newest intact step from ``step`` on (``resume.restore_newest_intact``; nothing is
+    moved aside: a run may be training in the workdir). A step asked for by number that is
+    damaged is one error naming it and the intact steps. A run training in the workdir may
+    rotate the step out (checkpoint.keep) while eval.py starts: then the new ``latest`` step
+    is read, or, for a step asked for by number, one error says what happened."""
     keep = run.config.checkpoint.keep
-    checkpointer = ckpt_lib.Checkpointer(run.workdir, run.config.checkpoint.every_steps, keep,
-                                         create=False)
-    newest_damage: ckpt_lib.DamagedStep | None = None
+    checkpointer = Checkpointer(run.workdir, run.config.checkpoint.every_steps, keep,
+                                create=False)
     try:
         for _ in range(3):
             try:
-                while True:
-                    try:
-                        return checkpointer.restore(step, run.abstract), step
-                    except ckpt_lib.DamagedStep as e:
-                        if _being_removed(checkpointer, step, keep):
-                            raise   # rotated out by a run training there: its newer step
-                        step = _older_intact(checkpointer, step, latest, e, newest_damage)
-                        newest_damage = newest_damage or e
-            except ValueError:
-                steps = workdir_lib.saved_steps(run.workdir)
-                removed = _being_removed(checkpointer, step, keep)
-                if not removed or jax.process_count() > 1:   # processes would differ
+                state, step = resume.restore_newest_intact(
+                    checkpointer, run.abstract, None, move=False, start=step, fall_back=latest,
+                    gone=lambda s: _being_removed(checkpointer, s, keep))
+                return state, step
+            except DamagedStep as damage:
+                if not _being_removed(checkpointer, damage.step, keep):
+                    if latest or damage.reason == "wrong-tree":   # another model: not damage
+                        raise
+                    raise ValueError(f"eval_step={step}: {resume.damage_only(damage)}; "
+                                     f"{_choices(run.workdir, but=(step,))}") from damage
+                if jax.process_count() > 1:   # processes would differ
                     raise
-                steps = [s for s in steps if s != step]
+                step = damage.step
+                steps = [s for s in integrity.saved_steps(run.workdir) if s != step]
             if not (latest and steps):
                 raise ValueError(
                     f"eval_step={step}: {checkpointer.directory / str(step)} was removed while "
@@ -289,3 +264,31 @@ def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
                          "was read; try again")
     finally:
         checkpointer.close()
+
+
+def evaluated_split(config: ml_collections.ConfigDict) -> str:
+    """The split evaluation reads: ``config.data.test_split``."""
+    return str(config.data.get("test_split", "test"))
+
+
+def write_eval(run: run_setup.Run, step: int, result: dict[str, float]) -> pathlib.Path:
+    """``result`` as ``step``'s result file (``workdir.eval_file``; process 0 writes it), with
+    the data source it read when that is not the run's (``run.eval_tag``)."""
+    split = evaluated_split(run.config)
+    path = workdir_lib.eval_file(run.workdir, step, split, run.eval_tag)
+    source = ({"data": workdir_lib.data_source(config_defaults.config_dict(run.config))}
+              if run.eval_tag else {})
+    if run.is_main:
+        with writing(f"the eval result {path}"):
+            workdir_lib.write_json(path, {"step": step, "split": split, **source, **result})
+    return path
+
+
+def read_eval(run: run_setup.Run, step: int) -> dict[str, float] | None:
+    """The metrics ``write_eval`` saved for ``step`` (None when there is no readable file)."""
+    path = workdir_lib.eval_file(run.workdir, step, evaluated_split(run.config), run.eval_tag)
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in saved.items() if k not in ("step", "split", "data")}

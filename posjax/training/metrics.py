@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from posjax.io_utils import write_text_atomically
+from posjax.io_utils import write_text_atomically, writing
 
 
 class MetricAccumulator:
@@ -73,7 +73,6 @@ class MetricWriter:
 
     def _writing(self):
         """A failed write (a full disk) is one SaveFailed naming these files."""
-        from posjax.training.checkpoint import writing
         return writing(f"the metrics log ({self.path} and {self.path.parent / 'tensorboard'})")
 
     def write(self, step: int, split: str, scalars: Mapping[str, float]) -> None:

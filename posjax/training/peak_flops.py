@@ -1,13 +1,13 @@
 """Peak FLOP/s per device, the denominator of MFU.
 
 MFU = (model FLOPs per step × steps/s) / (peak FLOP/s per device × devices), with model FLOPs
-from ``flops.py`` (B · per example + per-step terms). Peak per device (``PeakFlops``):
-``config.peak_flops`` if > 0, else the dense bf16 peak of known accelerators (``PEAK_FLOPS`` by
-device kind), else measured at startup: the best of several timings of a jitted fp32 matmul
-running on every local device at once (CPU). A measurement taken while the machine was busy
-is too low; when the observed MFU exceeds 1 the peak is measured again and the largest of the
-measurements and the observed rate is kept (a device can do at least what it was seen doing),
-so a measured peak never gives MFU > 1.
+from ``posjax.models.flops`` (B · per example + per-step terms). Peak per device
+(``PeakFlops``): ``config.peak_flops`` if > 0, else the dense bf16 peak of known accelerators
+(``PEAK_FLOPS`` by device kind), else measured at startup: the best of several timings of a
+jitted fp32 matmul running on every local device at once (CPU). A measurement taken while the
+machine was busy is too low; when the observed MFU exceeds 1 the peak is measured again and the
+largest of the measurements and the observed rate is kept (a device can do at least what it
+was seen doing), so a measured peak never gives MFU > 1.
 """
 from __future__ import annotations
 

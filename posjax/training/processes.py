@@ -7,15 +7,14 @@ around the one global state (a hang, or silently mixed updates); another vocabul
 gives its ids other meanings; another copy of a split shifts its share of every global batch,
 and an evaluation pass of another length waits forever in a collective; a workdir that is not
 one shared directory leaves every checkpoint split between the hosts' disks. So each value is
-exchanged (``gather``: two all-gathers of its JSON) and every process raises the same error,
-naming the processes and keys that differ from process 0's: ``check_same_config``,
+exchanged (``hosts.gather``: two all-gathers of its JSON) and every process raises the same
+error, naming the processes and keys that differ from process 0's: ``check_same_config``,
 ``check_same_data_identity``, ``check_same_splits``, ``check_same_init_from``.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import pathlib
 import platform
@@ -24,33 +23,14 @@ from typing import Any, Callable
 
 import jax
 import ml_collections
-import numpy as np
-from jax.experimental import multihost_utils
 
 from posjax.data import identity as identity_lib
-from posjax.training import run_config
+from posjax.training import hosts
 from posjax.training import init_from as init_from_lib
+from posjax.training import run_config
 from posjax.training import workdir as workdir_lib
 
 SHOWN = 8   # differences named in one error
-
-
-def several() -> bool:
-    """Whether this run has more than one process (else there is nothing to compare)."""
-    return jax.process_count() > 1
-
-
-def gather(value: Any) -> list[Any]:
-    """``value`` (JSON-serialisable) of every process, in process order; ``[value]`` with one
-    process. A collective: every process must call it, with its own value."""
-    if jax.process_count() == 1:
-        return [value]
-    data = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
 def differences(values: list[dict[str, Any]],
@@ -66,12 +46,12 @@ def differences(values: list[dict[str, Any]],
 def check_agree(values: Callable[[], dict[str, Any]], what: str, fix: str,
                 show: Callable[[str, Any, Any], str] | None = None) -> None:
     """Raise, in every process, one ValueError when some process's ``values()`` (called only
-    when there are ``several`` processes) differ from process 0's: 'the processes <what>:
+    when there are ``hosts.several`` processes) differ from process 0's: 'the processes <what>:
     <differences>; <fix>'. ``show(key, value, process 0's value)`` words one difference
     (default 'key=value (process 0: value)')."""
-    if not several():
+    if not hosts.several():
         return
-    found = differences(gather(values()), show or _show_value)
+    found = differences(hosts.gather(values()), show or _show_value)
     if found:
         more = f"\n  ... and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
         raise ValueError(f"the processes {what}:\n  " + "\n  ".join(found[:SHOWN]) + more
@@ -126,7 +106,7 @@ def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None
     writes under a new random name and removes after: no host can have that name cached as
     absent (NFS keeps a lookup that found nothing for up to a minute, e.g. of ``train.lock``
     after the last run removed it)."""
-    if not several():
+    if not hosts.several():
         return
     probe = name is None
     if probe and jax.process_index() == 0:
@@ -139,8 +119,8 @@ def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None
         # Process 0's name and view, once written (the gather waits for it); then whether
         # each process shares that view.
         first = [name, _read(workdir / name)] if jax.process_index() == 0 else None
-        name, seen = gather(first)[0]
-        shares = gather(_read(workdir / name) == seen)
+        name, seen = hosts.gather(first)[0]
+        shares = hosts.gather(_read(workdir / name) == seen)
     finally:
         if probe and jax.process_index() == 0:
             (workdir / name).unlink(missing_ok=True)

@@ -33,7 +33,7 @@ OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps",
 
 
 # Keys a resumed run may change besides OPERATIONAL_KEYS: its length (a decaying learning-rate
-# schedule continues from the resumed step's value, ``schedule_extension``).
+# schedule continues from the resumed step's value, ``optim.resumed_schedule``).
 RESUME_KEYS = OPERATIONAL_KEYS + ("num_steps",)
 
 

@@ -1,6 +1,8 @@
 """Set-up of a run: ``prepare`` checks everything the user can get wrong (config values, mesh
 vs devices, batch divisibility, data files and splits, the workdir, init_from) before anything
-is compiled or written, and builds the ``Run`` (abstract state only).
+is compiled or written, and builds the ``Run`` (abstract state only); a resumed run with
+another ``num_steps`` keeps its learning-rate schedule (``note_resume``, ``on_resume``:
+``optim.resumed_schedule``).
 """
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from jax.sharding import Mesh
 
 from posjax import config_defaults
 from posjax.io_utils import local_path
-from posjax.training import mesh as mesh_lib
-from posjax.training import processes
-from posjax.training import results
-from posjax.training import run_config
+from posjax.training import hosts
 from posjax.training import init_from_checks
+from posjax.training import mesh as mesh_lib
+from posjax.training import optim
+from posjax.training import processes
+from posjax.training import run_config
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import workdir as workdir_lib
+from posjax.training.checkpointing import integrity
 from posjax.training.tasks import Task, make_task
 
 
@@ -118,12 +122,12 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     else:
         # The metrics JSON goes beside the checkpoint.
         workdir_lib.check_entries(workdir, workdir_lib.EVAL_ENTRIES)
-        tag = results.eval_tag(workdir_lib.check_eval_config(workdir, config), config)
+        tag = workdir_lib.eval_tag(workdir_lib.check_eval_config(workdir, config), config)
         # Whatever its path:
         workdir_lib.check_data_identity(workdir, config, identity, training=False)
     training_program = steps_lib.build_training(config, mesh, task)
     abstract, shardings = training_program.abstract, training_program.shardings
-    if (training and config.init_from and not workdir_lib.saved_steps(workdir)) or pretrained:
+    if (training and config.init_from and not integrity.saved_steps(workdir)) or pretrained:
         init_from_checks.check_init_from(config.init_from, abstract.params, task.patch_grid,
                                   task.model_config, whole=pretrained)
         workdir_lib.check_init_from_data(config, identity)
@@ -135,3 +139,38 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 def print_main(run: Run, line: str) -> None:
     if run.is_main:
         print(line, flush=True)
+
+
+def note_resume(workdir: pathlib.Path, saved: dict[str, Any] | None,
+                config: ml_collections.ConfigDict, changes: list[str]) -> None:
+    """Process 0, before a resumed run replaces its ``config.json`` (``saved``): log the keys
+    that change (``changes``) and record the schedule so far when ``num_steps`` changes it
+    (``optim.record_original``)."""
+    if not saved or not changes:
+        return
+    print("resumed with a changed config (config.json updated): " + "; ".join(changes),
+          flush=True)
+    if isinstance(saved.get("num_steps"), int):
+        optim.record_original(workdir, saved["num_steps"], int(config.num_steps),
+                              config.optimizer)
+
+
+def on_resume(run: Run, start: int) -> Run:
+    """``run`` with the optimizer and schedule of a run resumed at ``start``
+    (``optim.resumed_schedule``); the segments recorded by process 0. Every process calls
+    it."""
+    recorded = hosts.gather(optim.read_segments(run.workdir) if run.is_main else None)[0]
+    if start == 0:   # a fresh start: the config's schedule, and no record of another run
+        if run.is_main:
+            (run.workdir / optim.SCHEDULE_FILE).unlink(missing_ok=True)
+        return run
+    config = run.config
+    schedule, segments = optim.resumed_schedule(run.workdir, config.optimizer, start,
+                                                config.num_steps, recorded)
+    if schedule is None:
+        return run
+    if run.is_main and segments != recorded:
+        optim.write_segments(run.workdir, segments)
+    program = steps_lib.build_training(config, run.mesh, run.task, schedule)
+    return dataclasses.replace(run, tx=program.tx, schedule=program.schedule,
+                               train_step=program.train_step)

@@ -141,7 +141,7 @@ def build_training(config: Any, mesh: Mesh, task: Task | None = None,
     """The training program of ``config`` on ``mesh``: what train.py runs and
     ``python -m posjax.plan`` compiles (no workdir, data or device memory needed).
     ``schedule``: the learning rate of a resumed run whose num_steps changed
-    (``schedule_extension``), else the config's."""
+    (``optim.resumed_schedule``), else the config's."""
     task = task or make_task(config)
     model = task.build_model()
     tx, schedule = optim.make_optimizer(config.optimizer, config.num_steps, schedule)

@@ -50,8 +50,9 @@ with ``@register_task``, and implement:
     test split that way, opened once), ``.num_examples`` and ``.num_batches`` (eval: batches
     per process, for the progress line's ETA; None or absent: unknown).
 ``train_flops() -> flops.Flops``
-    Analytic forward+backward model FLOPs (for MFU), see ``flops.py``: per example, plus the
-    per-step work on shared position tables; a step of B examples costs ``.total(B)``.
+    Analytic forward+backward model FLOPs (for MFU), see ``posjax.models.flops``: per
+    example, plus the per-step work on shared position tables; a step of B examples costs
+    ``.total(B)``.
 
 Text tasks live in their own module listed in ``TASK_MODULES``; it is imported the first time
 ``make_task`` is asked for a name not registered yet.
@@ -71,7 +72,7 @@ import numpy as np
 
 from posjax.models.config import ViTConfig
 from posjax.models.vit import ViT
-from posjax.training import flops
+from posjax.models import flops
 
 Array = jax.Array
 Metrics = dict[str, tuple[Array, Array]]

@@ -35,7 +35,7 @@ from posjax.data import text as text_data
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
 from posjax.models.config import TextConfig
 from posjax.models.text import TextForMaskedLM, TextForSequenceClassification
-from posjax.training import flops, position_tables
+from posjax.models import flops, position_tables
 from posjax.models import params as params_lib
 from posjax.training.tasks import Metrics, Task, model_config_from, register_task
 

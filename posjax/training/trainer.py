@@ -1,15 +1,16 @@
 """Training: ``train(config, workdir)``, in phases:
 
 1. validate (``run_setup.prepare``; data errors of both splits before anything is written),
-2. lock the workdir (``workdir_lock``), check it again and save the run's config,
-3. init or resume (latest checkpoint, else fresh parameters, maybe ``init_from``'s),
+2. lock the workdir (``checkpointing.lock``), check it again and save the run's config,
+3. init or resume (the newest intact checkpoint: ``checkpointing.resume``, else fresh
+   parameters, maybe ``init_from``'s),
 4. the steps: each step, log every ``log_every_steps``, save when due, evaluate every
    ``eval_every_steps``, stop after a preemption (SIGTERM) once the step is saved,
 5. final evaluation, written beside the last checkpoint.
 
 Several processes: each feeds the rows of every global batch its devices hold
 (``mesh.batch_feeds``);
-a SIGTERM reaches ``checkpoint.Checkpointer.reached_preemption``, and every process stops
+a SIGTERM reaches ``Checkpointer.reached_preemption``, and every process stops
 after the same step, saves it and returns ``preempted=True``.
 """
 from __future__ import annotations
@@ -25,25 +26,22 @@ import ml_collections
 import numpy as np
 
 from posjax import config_defaults
-from posjax.io_utils import signals_to_receiver_thread
-from posjax.training import checkpoint as ckpt_lib
+from posjax.io_utils import signals_to_receiver_thread, writing
 from posjax.training import errors
 from posjax.training import evaluator
+from posjax.training import init_from as init_from_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import metrics as metrics_lib
 from posjax.training import peak_flops
 from posjax.training import processes
 from posjax.training import profiler
-from posjax.training import results
-from posjax.training import resume
 from posjax.training import run_setup
-from posjax.training import schedule_extension
-from posjax.training import init_from as init_from_lib
 from posjax.training import state as state_lib
 from posjax.training import steps as steps_lib
 from posjax.training import stop_request
 from posjax.training import workdir as workdir_lib
-from posjax.training import workdir_lock
+from posjax.training.checkpointing import integrity, lock, resume
+from posjax.training.checkpointing.checkpointer import Checkpointer
 
 
 @dataclasses.dataclass
@@ -85,20 +83,20 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             if stop.requested:   # before anything is written
                 return _stopped_in_set_up(run)
             run.workdir.mkdir(parents=True, exist_ok=True)
-            with workdir_lock.exclusive(run.workdir, run.is_main):   # one run per workdir
+            with lock.exclusive(run.workdir, run.is_main):   # one run per workdir
                 processes.check_shared_workdir(run.workdir)
                 if run.is_main:
                     # Again: another run may have ended.
                     workdir_lib.check_workdir(run.workdir, config, run.data_identity)
                     saved = (config_defaults.read_saved_config(run.workdir)
-                             if workdir_lib.saved_steps(run.workdir) else None)
-                    schedule_extension.note_resume(
+                             if integrity.saved_steps(run.workdir) else None)
+                    run_setup.note_resume(
                         run.workdir, saved, config,
                         workdir_lib.resume_changes(saved, config) if saved else [])
                     workdir_lib.write_json(run.workdir / config_defaults.CONFIG_FILE,
                                            workdir_lib.config_to_save(run.workdir, config))
                     workdir_lib.write_data_identity(run.workdir, run.data_identity)
-                checkpointer = ckpt_lib.Checkpointer(
+                checkpointer = Checkpointer(
                     run.workdir, config.checkpoint.every_steps, config.checkpoint.keep,
                     config.checkpoint.async_save, stop=stop)
                 try:
@@ -111,12 +109,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 
 def _stopped_in_set_up(run: run_setup.Run) -> TrainResult:
     """A stop requested before the first step of this run: nothing new to save."""
-    steps = workdir_lib.saved_steps(run.workdir)
+    steps = integrity.saved_steps(run.workdir)
     last = steps[-1] if steps else 0
     return TrainResult(last, True, {}, last)
 
 
-def _start_state(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any
+def _start_state(run: run_setup.Run, checkpointer: Checkpointer, iterator: Any
                  ) -> tuple[state_lib.TrainState, int]:
     if (found := resume.restore_newest_intact(checkpointer, run.abstract, iterator)):
         state, latest = found
@@ -133,13 +131,13 @@ def _start_state(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterat
     return state, 0
 
 
-def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: Any,
+def _train(run: run_setup.Run, checkpointer: Checkpointer, iterator: Any,
            test: Iterable[dict[str, np.ndarray]], test_batches: int | None,
            stop_after: int | None) -> TrainResult:
     config, task = run.config, run.task
     num_steps = config.num_steps
     state, start = _start_state(run, checkpointer, iterator)
-    run = schedule_extension.on_resume(run, start)   # another num_steps: lr continues
+    run = run_setup.on_resume(run, start)   # another num_steps: lr continues
     if checkpointer.stop and checkpointer.stop.begin_steps():   # nothing new to save
         return _stopped_in_set_up(run)
     train_step = run.train_step   # steps.build_training: what the plan command compiles
@@ -216,16 +214,16 @@ def _train(run: run_setup.Run, checkpointer: ckpt_lib.Checkpointer, iterator: An
         if checkpointer.latest_step() != step:
             save(force=True)
         checkpointer.wait()
-        result = results.read_eval(run, step) if start == step else None   # a finished run rerun
+        result = evaluator.read_eval(run, step) if start == step else None   # a finished run rerun
         if result is None:
             result = evaluator.run_evaluation(run, state.params, eval_step, iter(test),
                                               test_batches,
                                     holds_state=True)
         writer.write_once(step, "eval", result)
     writer.close()
-    path = results.write_eval(run, step, result)
+    path = evaluator.write_eval(run, step, result)
     if run.is_main:
-        with ckpt_lib.writing(f"the loss curve {run.workdir / 'loss_curve.png'}"):
+        with writing(f"the loss curve {run.workdir / 'loss_curve.png'}"):
             metrics_lib.plot_curves(run.workdir)
     run_setup.print_main(run, f"final eval at step {step}: {_format(result)}  ({path})")
     return TrainResult(step, False, result, start)

@@ -1,20 +1,23 @@
 """The workdir: what may be written there (``check_workdir``: writable, no other run's
 checkpoints, no lost checkpoints of this one), which data it was trained on
-(``DATA_IDENTITY_FILE``, ``check_data_identity``) and which config it saves.
+(``DATA_IDENTITY_FILE``, ``check_data_identity``), which config it saves, and the names of its
+evaluation results (``eval_file``).
 
 Layout: ``config.json`` (the run's config; once the run has a checkpoint, a run with another
 config is refused; before that the file is replaced), ``checkpoints/<step>/`` (state + input
-iterator), ``checkpoints/eval_<step>_<split>.json`` (``results``), ``metrics.jsonl``,
-``tensorboard/``, ``loss_curve.png``, ``train.lock`` (``workdir_lock``: one run per workdir),
-``data_identity.json`` (digests of what the data files mean, e.g. the vocabulary, recorded at
-the run's start).
+iterator: ``checkpointing``), ``checkpoints/eval_<step>_<split>.json`` (``eval_file``),
+``metrics.jsonl``, ``tensorboard/``, ``loss_curve.png``, ``train.lock`` (``checkpointing.lock``:
+one run per workdir), ``data_identity.json`` (digests of what the data files mean, e.g. the
+vocabulary, recorded at the run's start).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import pathlib
+import re
 from typing import Any
 
 import ml_collections
@@ -24,16 +27,10 @@ from posjax.data import identity as identity_lib
 from posjax.io_utils import cannot_write_in, check_creatable, local_path, write_text_atomically
 from posjax.training import metrics as metrics_lib
 from posjax.training import run_config
-from posjax.training import workdir_lock
+from posjax.training.checkpointing import lock
+from posjax.training.checkpointing import integrity
 
 DATA_IDENTITY_FILE = identity_lib.FILE
-
-
-def saved_steps(workdir: pathlib.Path) -> list[int]:
-    """Steps of the finalized checkpoints in ``workdir/checkpoints`` (none: a fresh start)."""
-    import orbax.checkpoint as ocp
-
-    return sorted(ocp.utils.checkpoint_steps(workdir / "checkpoints"))
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
@@ -48,7 +45,7 @@ def check_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
     of other data under the same paths (``data_identity``, ``check_data_identity``)."""
     check_writable(workdir)
     check_entries(workdir, TRAIN_ENTRIES)
-    if not saved_steps(workdir):
+    if not integrity.saved_steps(workdir):
         check_fresh_start(workdir, config)
         return
     saved = config_defaults.read_saved_config(workdir)
@@ -144,7 +141,8 @@ def id_ranges(ranges: list[tuple[int, int]], shown: int = 5) -> str:
 def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, Any]) -> None:
     """Record ``data_identity`` at a run's start (and for a run from before the file existed);
     a resumed run keeps what its start recorded."""
-    if data_identity and (not saved_steps(workdir) or not (workdir / DATA_IDENTITY_FILE).exists()):
+    if data_identity and (not integrity.saved_steps(workdir)
+                          or not (workdir / DATA_IDENTITY_FILE).exists()):
         identity_lib.write(workdir, data_identity)
 
 
@@ -156,7 +154,7 @@ def check_writable(workdir: pathlib.Path) -> None:
 # What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
 # into ("written") and files it replaces whole ("replaced": only the workdir must be writable).
 TRAIN_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "metrics.jsonl": "written",
-                 workdir_lock.LOCK_FILE: "written", config_defaults.CONFIG_FILE: "replaced",
+                 lock.LOCK_FILE: "written", config_defaults.CONFIG_FILE: "replaced",
                  DATA_IDENTITY_FILE: "replaced", "loss_curve.png": "replaced"}
 
 
@@ -242,7 +240,7 @@ def config_to_save(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> 
     """The config.json of a (re)started run: ``config``, except that a resumed run keeps the
     saved ``init_from`` (where its weights came from; a resume does not read it)."""
     data = config_defaults.config_dict(config)
-    if saved_steps(workdir):
+    if integrity.saved_steps(workdir):
         data["init_from"] = config_defaults.read_saved_config(workdir).get("init_from", "")
     return data
 
@@ -252,5 +250,44 @@ def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path
     """eval.py on ``config.init_from``'s weights as they are (reported as step 0): set, and
     ``workdir`` is not a run's (no checkpoint, no ``config.json``: a run is evaluated on its
     own checkpoints)."""
-    return (not training and bool(config.init_from) and not saved_steps(workdir)
+    return (not training and bool(config.init_from) and not integrity.saved_steps(workdir)
             and not os.path.lexists(workdir / config_defaults.CONFIG_FILE))
+
+
+def split_tag(split: str) -> str:
+    """A split spec as a file-name part: ``test`` -> ``test``, ``train[:80%]`` -> ``train_-80%``
+    (``[`` -> ``_``, ``:`` -> ``-``, ``]`` dropped, any other character outside [A-Za-z0-9_.%-]
+    -> ``_``)."""
+    tag = split.replace("[", "_").replace(":", "-").replace("]", "")
+    return re.sub(r"[^A-Za-z0-9_.%-]", "_", tag)
+
+
+def eval_file(workdir: pathlib.Path, step: int, split: str, tag: str = "") -> pathlib.Path:
+    """``checkpoints/eval_<step>_<split tag><tag>.json``: one file per evaluated split (and per
+    data source other than the run's, ``eval_tag``)."""
+    return workdir / "checkpoints" / f"eval_{step}_{split_tag(split)}{tag}.json"
+
+
+def data_source(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``DATA_SOURCE_KEYS`` values of a config dict, flattened (``data.text_files.valid``)."""
+    return {k: v for k, v in run_config.flatten(config).items()
+            if run_config.under(k, run_config.DATA_SOURCE_KEYS)}
+
+
+def eval_tag(saved: dict[str, Any] | None, config: ml_collections.ConfigDict) -> str:
+    """'' when ``config`` reads the data of the run's saved config (or there is none), else
+    ``_data-<8 hex digits>`` of the data source it reads: eval.py with another data.path,
+    data_dir, glue_dir, text_files or tokenizer writes its results beside the run's, not over
+    them (so does a source key the saved config lacks); ``_seq-<N>`` when it reads text at
+    another length than the run's (``--config.data.max_seq_length=N``)."""
+    if saved is None:
+        return ""
+    tag = ""
+    current = data_source(config_defaults.config_dict(config))
+    if data_source(saved) != current:
+        digest = hashlib.sha256(json.dumps(current, sort_keys=True).encode()).hexdigest()
+        tag = f"_data-{digest[:8]}"
+    length = config.get("data", {}).get("max_seq_length")
+    if length is not None and length != saved.get("data", {}).get("max_seq_length", length):
+        tag += f"_seq-{length}"
+    return tag

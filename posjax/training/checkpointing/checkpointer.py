@@ -1,4 +1,5 @@
-"""Checkpoints: train state + input-iterator state in one Orbax step directory.
+"""Saving and restoring checkpoints (``Checkpointer``): train state + input-iterator state in
+one Orbax step directory.
 
 ``<workdir>/checkpoints/<step>/state`` (sharded arrays, restorable onto any mesh: the restore
 target carries the new shardings) and ``<workdir>/checkpoints/<step>/data_iter`` (one Grain
@@ -24,8 +25,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from posjax import checkpoint_io
-from posjax.training import integrity
-from posjax.training import processes
+from posjax.io_utils import SaveFailed
+from posjax.training import hosts
+from posjax.training.checkpointing import integrity
 
 if TYPE_CHECKING:
     from posjax.training.stop_request import StopRequest
@@ -38,25 +40,6 @@ class DamagedStep(ValueError):
     def __init__(self, step: int, reason: str, message: str):
         super().__init__(message)
         self.step, self.reason = step, reason
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint, or another file of the run (``writing``), could not be written (a full
-    disk, a folder no longer writable)."""
-
-
-@contextlib.contextmanager
-def writing(what: str) -> Iterator[None]:
-    """An OSError inside, while ``what`` (naming the file) is written, raises one SaveFailed
-    saying so and how to go on: the metrics log, an eval result, a plot fail this way when
-    the disk fills (tracebacks from TensorBoard's writer, before)."""
-    try:
-        yield
-    except OSError as e:
-        raise SaveFailed(f"{what} could not be written ({type(e).__name__}: "
-                         f"{e.strerror or e}): is the disk full, or the folder no longer "
-                         "writable? Fix the storage, then run the command again (a training "
-                         "run resumes from its latest checkpoint)") from e
 
 
 # How TensorStore words a failed read or write of a file (it raises plain ValueErrors).
@@ -72,13 +55,6 @@ def _is_storage_error(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
-
-
-def _process_0_view(check: Any) -> Any:
-    """``check()`` as process 0 sees it, on every process (one reads the files, the others
-    take its answer: a collective with several processes)."""
-    found = check() if jax.process_index() == 0 else None
-    return processes.gather(found)[0] if processes.several() else found
 
 
 class _OrbaxErrorsOnOneLine(logging.Filter):
@@ -234,7 +210,7 @@ class Checkpointer:
                     f"checkpoint {path} holds input-iterator states for {', '.join(counts)} "
                     f"processes, not the current {jax.process_count()}: resume with the same "
                     "process count")
-        if found := _process_0_view(lambda: integrity.damage(path)):
+        if found := hosts.process_0_view(lambda: integrity.damage(path)):
             raise DamagedStep(step, found[0], f"checkpoint {path} cannot be restored "
                               f"({found[1]}). {self._way_out(step)}")
         # Before reading any array: a restore that fails on the tree leaves reads in flight.

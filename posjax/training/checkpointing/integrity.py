@@ -7,6 +7,9 @@ reads only names that are a step number, so neither a resume nor ``checkpoint.ke
 
 A step saved before the record existed, or by a run killed between the commit and the record,
 has none: its files are then checked only by the restore itself.
+
+The listings: ``saved_steps`` (the finalized steps) and ``intact_steps`` (those whose files
+match their record by name and size).
 """
 from __future__ import annotations
 
@@ -16,8 +19,24 @@ import os
 import pathlib
 import zlib
 
+import orbax.checkpoint as ocp
+
 RECORD_FILE = "integrity.json"
 _CHUNK = 1 << 22
+
+
+def saved_steps(workdir: pathlib.Path) -> list[int]:
+    """Steps of the finalized checkpoints in ``workdir/checkpoints`` (none: a fresh start)."""
+    return sorted(ocp.utils.checkpoint_steps(workdir / "checkpoints"))
+
+
+def intact_steps(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> list[int]:
+    """The saved steps of ``workdir`` (but those in ``but``) whose files match their integrity
+    record by name and size (no file is read: checksums are compared when a step is
+    restored; a step without a record counts as intact)."""
+    directory = workdir / "checkpoints"
+    return [s for s in saved_steps(workdir)
+            if s not in but and damage(directory / str(s), checksums=False) is None]
 
 
 def _crc32(path: pathlib.Path) -> str:
