@@ -25,9 +25,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from posjax.models.schemes import SCHEMES, absolute_rows, scheme_of
+from posjax.models.schemes import SCHEMES, scheme_of
 from posjax.study import analysis, held_out, runner, synthetic
-from posjax.study.spec import Cell, load_config_file, set_dotted
+from posjax.study.spec import Cell, at_length, load_config_file, set_dotted
 
 
 def cell_dir(root: pathlib.Path, cell_id: str, stage: str = "") -> pathlib.Path:
@@ -112,28 +112,6 @@ def synth_config(study: Any, main: ml_collections.ConfigDict, task: str, length:
         config.model = model
     _override(config, dict(study.synthetic.get("overrides", {})))
     return config
-
-
-def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.ConfigDict:
-    """``config`` reading held-out sequences of ``length`` tokens; an absolute table with
-    fewer rows is read interpolated (``model.extend_positions='interpolate'``)."""
-    out = config.copy_and_resolve_references()
-    out.data.max_seq_length = length
-    rows = table_rows(dict(out.model))
-    if not rows:   # a table no layer reads: no rows to fit
-        out.model.max_position_embeddings = 0
-    with out.ignore_type():
-        out.model.extend_positions = "interpolate" if rows and length > rows else ""
-    if "length" in out.data:
-        out.data.length = length
-    return out
-
-
-def table_rows(model: dict[str, Any]) -> int:
-    """Positions the model can read: its absolute table's rows, or 0 for none (unbounded)."""
-    from posjax.models.config import TextConfig
-
-    return absolute_rows(TextConfig.from_dict(model))
 
 
 def length_results(config: ml_collections.ConfigDict, params: Any, length: int,
@@ -314,7 +292,7 @@ def _text_analysis(root: pathlib.Path, config: ml_collections.ConfigDict, cell: 
     model = TextConfig.from_dict(dict(config.model))
     length = min(64, int(config.data.max_seq_length))
     arrays: dict[str, np.ndarray] = {}
-    if model.position_scheme == "bert_abs":
+    if scheme_of(model).input_positions_only:   # BERT-A: TUPE Fig. 2's four terms
         task, _ = runner.build(config)
         batch = next(iter(task.make_pipeline("test", 1, 0, False, 0, 1).dataset))
         ids = np.asarray(batch["input_ids"][0, :length])

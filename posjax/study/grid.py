@@ -100,11 +100,12 @@ def chosen_rate(root: pathlib.Path, study: Any, name: str) -> tuple[float | None
     if left:
         return None, (f"the learning-rate sweep of {name!r} has not finished (rates "
                       f"{', '.join(f'{r:g}' for r in left)} left); run its -lr cells first")
-    finite = {r: v for r, v in scores.items() if v == v}
-    if not finite:
+    from posjax.study.report import best_rate
+
+    best = best_rate(scores, study.sweep.better)
+    if best is None:
         return None, f"every sweep cell of {name!r} failed: see results/{name}-lr*.json"
-    pick = min if study.sweep.better == "lower" else max
-    return pick(finite, key=finite.get), ""
+    return best, ""
 
 
 def run_grid(study: Any, root: pathlib.Path, only: str = "", log=print) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ so "below the bigram" is a conservative gate).
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 from typing import Any
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from posjax.data import text as text_data
 from posjax.data.tokenizers import TextTokenizer, load_tokenizer
+from posjax.study.spec import at_length
 
 MASK_SEED = 20_211   # the study's held-out masks (any fixed number; never a run's seed)
 
@@ -88,17 +91,19 @@ def _setup(config: ml_collections.ConfigDict) -> tuple[TextTokenizer, text_data.
             int(config.data.max_seq_length))
 
 
-def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.ConfigDict:
-    """``config`` reading ``length`` tokens, an absolute table too short for them interpolated."""
-    from posjax.models.config import TextConfig
-    from posjax.models.schemes import absolute_rows
+@functools.lru_cache(maxsize=4)
+def _cores_cached(data_json: str, draws: int) -> tuple[np.ndarray, list[list[dict]]]:
+    config = ml_collections.ConfigDict({"data": json.loads(data_json)})
+    tokenizer, spec, length = _setup(config)
+    tokens = stream(config.data, config.data.test_split, tokenizer)
+    return tokens, [masked_cores(tokens, length, d, spec) for d in range(draws)]
 
-    out = config.copy_and_resolve_references()
-    out.data.max_seq_length = length
-    rows = absolute_rows(TextConfig.from_dict(dict(out.model)))
-    with out.ignore_type():
-        out.model.extend_positions = "interpolate" if rows and length > rows else ""
-    return out
+
+def _held_out_cores(config: ml_collections.ConfigDict, draws: int
+                    ) -> tuple[np.ndarray, list[list[dict]]]:
+    """The held-out stream and its masked cores per draw, computed once per data config in a
+    grid process (every cell of a study shares them)."""
+    return _cores_cached(json.dumps(config.data.to_dict(), sort_keys=True, default=str), draws)
 
 
 def evaluate(config: ml_collections.ConfigDict, params: Any, factors: list[int], draws: int,
@@ -109,8 +114,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, factors: list[int],
     from posjax.study import runner
 
     tokenizer, spec, length = _setup(config)
-    tokens = stream(config.data, config.data.test_split, tokenizer)
-    cores = [masked_cores(tokens, length, d, spec) for d in range(draws)]
+    tokens, cores = _held_out_cores(config, draws)
     out: dict[str, Any] = {}
     for f in factors:
         cfg = at_length(config, f * length)

@@ -260,6 +260,15 @@ def _measured(row: dict[str, Any]) -> str:
             f"(n={e['n']}{margin})")
 
 
+def best_rate(scores: dict[float, float | None], better: str) -> float | None:
+    """The rate with the best finite sweep score (``better``: 'lower' or 'higher'); None when
+    no score is finite."""
+    finite = {r: v for r, v in scores.items() if v is not None and np.isfinite(v)}
+    if not finite:
+        return None
+    return (min if better == "lower" else max)(finite, key=finite.get)
+
+
 def select(records: list[dict[str, Any]], sweep: dict[str, Any] | None
            ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[float, dict[str, Any]]],
                       dict[str, float]]:
@@ -278,12 +287,10 @@ def select(records: list[dict[str, Any]], sweep: dict[str, Any] | None
         ran = [r.get("learning_rate") for r in ok(groups.get(name, []))]
         scores = {rate: metric(r, sweep["metric"]) for rate, r in by_rate.items()
                   if r.get("status") == "ok"} if sweep else {}
-        scores = {k: v for k, v in scores.items() if v is not None and np.isfinite(v)}
         if ran and ran[0] is not None:
             rates[name] = float(ran[0])
-        elif scores:
-            pick = min if sweep["better"] == "lower" else max
-            rates[name] = pick(scores, key=scores.get)
+        elif (best := best_rate(scores, sweep["better"]) if sweep else None) is not None:
+            rates[name] = best
         if name in rates and rates[name] in by_rate:
             groups[name] = [by_rate[rates[name]]] + groups.get(name, [])
         groups.setdefault(name, [])

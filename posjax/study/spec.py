@@ -24,28 +24,39 @@ import ml_collections
 
 from posjax.models.config import TEXT_SCHEMES, VIT_SCHEMES, TextConfig, ViTConfig
 from posjax.models.params import SAME_FUNCTION_FIELDS
-from posjax.models.schemes import SCHEMES
+from posjax.models.schemes import SCHEMES, absolute_rows
 
 KINDS = ("text", "vit")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
-
 def scheme_presets(kind: str, scheme: str) -> dict[str, Any]:
-    """The scheme's own settings on top of the base model, read from its row of the scheme
-    table (as the recipes set them): DeBERTa without absolute input positions, DeBERTa-v3's
-    shared position keys and LayerNorm'd relative table where the scheme has log buckets.
-    Everything else (token types, LayerNorm eps, dropout, sizes) is the base model's, the
-    same for every entry."""
+    """The scheme's own settings on top of the base model: its row's ``presets`` in the
+    scheme table (DeBERTa without absolute input positions, DeBERTa-v3's shared position keys
+    and LayerNorm'd relative table). Everything else (token types, LayerNorm eps, dropout,
+    sizes) is the base model's, the same for every entry."""
     row = SCHEMES.get(scheme)
-    if kind != "text" or row is None:
-        return {}
-    out: dict[str, Any] = {}
-    if row.disentangled:
-        out["position_biased_input"] = False
-    if "position_buckets" in row.fields:
-        out.update(share_att_key=True, norm_rel_ebd=True)
+    return dict(row.presets) if kind == "text" and row is not None else {}
+
+
+def at_length(config: ml_collections.ConfigDict, length: int) -> ml_collections.ConfigDict:
+    """``config`` reading held-out sequences of ``length`` tokens; an absolute table with
+    fewer rows is read interpolated (``model.extend_positions='interpolate'``)."""
+    out = config.copy_and_resolve_references()
+    out.data.max_seq_length = length
+    rows = table_rows(dict(out.model))
+    if not rows:   # a table no layer reads: no rows to fit
+        out.model.max_position_embeddings = 0
+    with out.ignore_type():
+        out.model.extend_positions = "interpolate" if rows and length > rows else ""
+    if "length" in out.data:
+        out.data.length = length
     return out
+
+
+def table_rows(model: dict[str, Any]) -> int:
+    """Positions the model can read: its absolute table's rows, or 0 for none (unbounded)."""
+    return absolute_rows(TextConfig.from_dict(model))
 
 
 class StudyConfigError(ValueError):
