@@ -48,7 +48,6 @@ if __package__ in (None, ""):   # `python bench/long_sequence.py`
     sys.path.insert(0, str(ROOT))
 
 SCHEMES = ("bert_abs", "bert_rel", "tupe_r", "deberta_v2", "rope", "alibi")
-TABLE_SCHEMES = ("bert_abs", "bert_rel", "tupe_r")   # read an absolute table: L rows given
 HF = "hf_deberta_v2"
 NOT_TRIED = "not tried"   # a shorter length of the same model and path did not fit
 PATHS = ("plain", "blocked")
@@ -71,17 +70,18 @@ def model_config(spec: dict[str, Any]):
     """The ``TextConfig`` of a measurement ``spec`` (scheme, path, length, size, layers,
     remat, scan)."""
     from bench.workloads import text_config
+    from posjax.models.schemes import SCHEMES
     s, scheme = spec["size"], spec["scheme"]
+    name = scheme if scheme != HF else "deberta_v2"
     smoke = spec["smoke"]
     kw = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_heads=s["heads"],
               mlp_dim=s["mlp"], num_layers=spec["layers"], dropout_rate=0.0,
               attention_dropout_rate=0.0, remat=spec.get("remat", False),
               scan_layers=spec.get("scan", False), attention_block_size=s["block"],
               blocked_attention_from=1 if spec["path"] == "blocked" else 0)
-    if scheme in TABLE_SCHEMES:
+    if SCHEMES[name].learned_input or SCHEMES[name].untied:   # an absolute table: L rows
         kw["max_position_embeddings"] = spec["length"]
-    return text_config(scheme if scheme != HF else "deberta_v2",
-                       "smoke" if smoke else "cpu", **kw)
+    return text_config(name, "smoke" if smoke else "cpu", **kw)
 
 
 def _vm_bytes() -> int:

@@ -45,6 +45,7 @@ import jax  # noqa: E402
 
 from bench.ab import import_variant  # noqa: E402
 from bench.common import Table, load_average  # noqa: E402
+from posjax.models.schemes import SCHEMES  # noqa: E402
 
 MESHES = ((2, 2, 2), (2, 4, 1), (4, 2, 1), (1, 4, 2), (1, 8, 1))
 MODELS = {"BERT-A": "bert_a", "DeBERTa-v3": "deberta"}
@@ -118,7 +119,7 @@ def analyse(package: Any, scheme: str, mesh_shape: tuple[int, int, int], batch: 
     config = recipes.mlm_config(scheme, "tiny")
     config.model.update(hidden_size=width, num_heads=max(width // 64, 2), num_layers=layers,
                         mlp_dim=4 * width, max_position_embeddings=length)
-    if scheme == "deberta":
+    if "max_relative_positions" in SCHEMES[config.model.position_scheme].fields:   # DeBERTa
         config.model.update(max_relative_positions=length)
     config.data.max_seq_length = length
     config.batch_size = batch

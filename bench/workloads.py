@@ -27,6 +27,7 @@ from bench.common import block
 from posjax import (TextConfig, TextForMaskedLM, TextForSequenceClassification, ViT,
                     ViTConfig)
 from posjax.models import flops
+from posjax.models.schemes import SCHEMES
 
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
@@ -76,12 +77,12 @@ def text_config(scheme: str, scale: str, dtype: str = "float32", **overrides: An
     """BERT-A, TUPE-R or DeBERTa-v3 at ``scale``; DeBERTa uses the v3 recipe (log buckets,
     shared attention key, LayerNorm'd relative table, no absolute input positions, no types)."""
     kw = dict(_text_shape(scale), dtype=dtype, dropout_rate=0.1, attention_dropout_rate=0.1)
-    if scheme == "deberta_v2":
+    row = SCHEMES.get(scheme)   # an unknown scheme: TextConfig's error names the choices
+    if row is not None and row.deberta_version == 2:   # the table's v3 presets and recipe
         smoke = scale == "smoke"
-        kw.update(max_relative_positions=64 if smoke else 512,
-                  position_buckets=16 if smoke else 256, share_att_key=True, norm_rel_ebd=True,
-                  position_biased_input=False, max_position_embeddings=0, type_vocab_size=0,
-                  layer_norm_eps=1e-7, pooler_act="gelu")
+        kw.update(row.presets + row.recipe, max_relative_positions=64 if smoke else 512,
+                  position_buckets=16 if smoke else 256, max_position_embeddings=0,
+                  pooler_act="gelu")
     kw.update(overrides)
     return TextConfig(position_scheme=scheme, **kw)
 
@@ -123,9 +124,11 @@ def throughput_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
     ]
 
 
-STUDY_CELLS = (("study BERT-A", "bert_abs", "bert"), ("study TUPE-R", "tupe_r", "bert"),
-               ("study DeBERTa-v3", "deberta_v2_no_emd", "deberta_v2"))
 STUDY_HF_NOTE = ("HF has no TUPE: HF column is BertForMaskedLM (absolute), equal size")
+# (label, study cell, HF reference model, note on the HF column)
+STUDY_CELLS = (("study BERT-A", "bert_abs", "bert", ""),
+               ("study TUPE-R", "tupe_r", "bert", STUDY_HF_NOTE),
+               ("study DeBERTa-v3", "deberta_v2_no_emd", "deberta_v2", ""))
 
 
 def study_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
@@ -145,16 +148,15 @@ def study_workloads(scale: str, dtype: str = "float32") -> list[Workload]:
         batch, length, slots = 8, 32, 8
         small = dict(hidden_size=32, num_heads=2, num_layers=2, mlp_dim=64)
     out = []
-    for name, cell, hf in STUDY_CELLS:
+    for name, cell, hf, note in STUDY_CELLS:
         entry = next(c for c in cells if c.name == cell)
         model = dict(entry.model, dtype=dtype, use_emd=False, **small)
         if small and entry.model.get("max_position_embeddings"):
             model["max_position_embeddings"] = length
-        if small and entry.scheme.startswith("deberta"):
+        if small and SCHEMES[entry.scheme].disentangled:
             model.update(max_relative_positions=length, position_buckets=length // 2)
         out.append(Workload(name, TextConfig(**model), batch, length, hf=hf, task="mlm",
-                            predictions=slots,
-                            hf_note=STUDY_HF_NOTE if entry.scheme == "tupe_r" else ""))
+                            predictions=slots, hf_note=note))
     return out
 
 

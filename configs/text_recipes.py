@@ -63,15 +63,13 @@ def text_model(scheme: str, size: str, max_length: int) -> dict:
     model = dict(position_scheme=row.name, vocab_size=30522, **dims,
                  max_position_embeddings=max_length, type_vocab_size=2, hidden_act="gelu",
                  layer_norm_eps=1e-12, dropout_rate=0.1, attention_dropout_rate=0.1)
-    if row.untied:   # TUPE's fairseq recipe (BERT-A-d is its ablation)
-        model.update(type_vocab_size=0, layer_norm_eps=1e-5)
-    if row.disentangled:   # the official DeBERTa recipe
-        model.update(type_vocab_size=0, layer_norm_eps=1e-7, position_biased_input=False,
-                     max_relative_positions=max_length, pos_att_type=("c2p", "p2c"))
+    # The scheme table's presets and paper recipe (TUPE's fairseq one, the official DeBERTa
+    # one, BERT's without the absolute table), then the settings that scale with the length.
+    model.update(row.presets + row.recipe)
+    if "max_relative_positions" in row.fields:   # DeBERTa: a span of the whole length
+        model.update(max_relative_positions=max_length)
     if "position_buckets" in row.fields:   # v3: 256 buckets over 512 positions
-        model.update(position_buckets=max_length // 2, share_att_key=True, norm_rel_ebd=True)
-    if row.input == "none" and not row.untied and not row.disentangled:
-        model.update(max_position_embeddings=0)   # RoPE, ALiBi, NoPE: no absolute table
+        model.update(position_buckets=max_length // 2)
     return defaults.text_model(**model)
 
 

@@ -43,7 +43,7 @@ from posjax.io_utils import local_path
 __all__ = ["Pretrained", "build_module", "expected_params", "export_hf", "load_checkpoint",
            "load_pretrained", "resize_vit", "save_checkpoint", "source_data_identity"]
 
-HF_MODEL_TYPES = tuple(hf_deberta.MODEL_TYPES) + ("vit",)
+HF_MODEL_TYPES = tuple(hf_deberta.MODEL_TYPES) + tuple(hf_vit.MODEL_TYPES)
 TASKS = (None, "mlm", "classification", "encoder")
 
 
@@ -148,9 +148,9 @@ def _load_hf(folder: pathlib.Path, task: str | None) -> Pretrained:
         raise ValueError(f"{path}: model_type={model_type!r} contradicts the weights: {source} "
                          f"holds a {found[0]!r} model (tensor {found[1]!r}). The config.json "
                          "belongs to another model: download the folder's config.json again")
-    check_required_keys(config, (hf_vit if model_type == "vit" else hf_deberta).REQUIRED_KEYS,
-                        path)
-    if model_type == "vit":
+    vit = model_type in hf_vit.MODEL_TYPES
+    check_required_keys(config, (hf_vit if vit else hf_deberta).REQUIRED_KEYS, path)
+    if vit:
         return hf_vit.import_vit(config, tensors, str(source), task)
     return hf_deberta.import_deberta(config, tensors, str(source), task)
 

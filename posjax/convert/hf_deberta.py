@@ -33,9 +33,10 @@ from posjax.convert import mapping as m
 from posjax.convert.hf_common import HFConfig, activation_to_hf, config_path, labels_config
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import TextConfig
-from posjax.models.schemes import input_table
+from posjax.models.schemes import HF_SCHEMES, SCHEMES, input_table, scheme_of
 
-MODEL_TYPES = {"deberta": "deberta", "deberta-v2": "deberta_v2"}
+# {Hugging Face model_type: scheme} this module converts: the scheme table's DeBERTas.
+MODEL_TYPES = {t: n for t, n in HF_SCHEMES.items() if SCHEMES[n].disentangled}
 
 _COMMON_DEFAULTS = dict(
     hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
@@ -83,7 +84,8 @@ def text_config_from_hf(hf: HFConfig, *, use_emd: bool, position_rows: int) -> T
 
     ``position_rows``: rows of the absolute table kept from the checkpoint (0: none).
     """
-    v2 = hf["model_type"] == "deberta-v2"
+    scheme = MODEL_TYPES[hf["model_type"]]
+    v2 = SCHEMES[scheme].deberta_version == 2
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     if not hf["relative_attention"]:
         raise hf.fail("relative_attention", "posjax implements DeBERTa with relative attention "
@@ -96,7 +98,7 @@ def text_config_from_hf(hf: HFConfig, *, use_emd: bool, position_rows: int) -> T
     embedding_size = hf["embedding_size"] or h
     norm_rel = [t.strip() for t in str(hf["norm_rel_ebd"] or "none").lower().split("|")]
     cfg = hf.build(
-        TextConfig, position_scheme=MODEL_TYPES[hf["model_type"]],
+        TextConfig, position_scheme=scheme,
         vocab_size=hf["vocab_size"], hidden_size=h, num_heads=heads,
         num_layers=hf["num_hidden_layers"], mlp_dim=hf["intermediate_size"],
         max_position_embeddings=position_rows, type_vocab_size=hf["type_vocab_size"],
@@ -137,7 +139,7 @@ def _in_proj(source: str, att: m.Path, heads: int) -> m.Link:
 def _attention_links(cfg: TextConfig, hl: str, att: m.Path) -> list[m.Link]:
     h = cfg.num_heads
     links: list[m.Link] = []
-    if cfg.position_scheme == "deberta":
+    if scheme_of(cfg).deberta_version == 1:   # fused in_proj, no key bias
         links.append(_in_proj(hl + "in_proj.weight", att, h))
         links.append(m.head_bias(hl + "q_bias", att + ("query", "bias"), h))
         links.append(m.head_bias(hl + "v_bias", att + ("value", "bias"), h))
@@ -287,7 +289,7 @@ def _check_tied_decoder(tensors: Mapping[str, np.ndarray], prefix: str, source: 
 def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Pretrained (DeBERTa scheme) -> (HF config.json dict, HF-named tensors)."""
     cfg, task = pre.config, pre.task
-    v2 = cfg.position_scheme == "deberta_v2"
+    v2 = scheme_of(cfg).deberta_version == 2
     if not v2:
         for field, value in (("share_att_key", cfg.share_att_key), ("norm_rel_ebd",
                              cfg.norm_rel_ebd), ("conv_kernel_size", cfg.conv_kernel_size)):
@@ -299,7 +301,7 @@ def export_deberta(pre: Pretrained) -> tuple[dict[str, Any], dict[str, np.ndarra
     arch = {"mlm": "ForMaskedLM", "classification": "ForSequenceClassification",
             "encoder": "Model"}[task]
     out: dict[str, Any] = {
-        "model_type": "deberta-v2" if v2 else "deberta",
+        "model_type": scheme_of(cfg).hf_model_type,
         "architectures": [("DebertaV2" if v2 else "Deberta") + arch],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,

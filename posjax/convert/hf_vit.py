@@ -17,6 +17,10 @@ from posjax.convert import mapping as m
 from posjax.convert.hf_common import HFConfig, activation_to_hf, config_path, labels_config
 from posjax.convert.pretrained import Pretrained, expected_params
 from posjax.models.config import ViTConfig
+from posjax.models.schemes import HF_SCHEMES, SCHEMES
+
+# {Hugging Face model_type: scheme} this module converts: the scheme table's image-only rows.
+MODEL_TYPES = {t: n for t, n in HF_SCHEMES.items() if not SCHEMES[n].text}
 
 # transformers ViTConfig defaults.
 HF_DEFAULTS = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,

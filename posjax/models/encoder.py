@@ -84,7 +84,7 @@ class EncoderLayer(nn.Module):
                 span=relative_span(cfg), max_relative_positions=cfg.max_relative_positions,
                 position_buckets=(cfg.position_buckets
                                   if "position_buckets" in scheme_of(cfg).fields else 0),
-                v1=cfg.position_scheme == "deberta", share_att_key=cfg.share_att_key,
+                v1=scheme_of(cfg).deberta_version == 1, share_att_key=cfg.share_att_key,
                 grid=self.grid, gather=cfg.gather, dtype=dtype,
                 attention_dropout_rate=cfg.attention_dropout_rate,
                 dropout_rate=cfg.dropout_rate, block_size=block_size, name="attention")
