@@ -138,7 +138,7 @@ def test_emd_mlm_flops_equal_the_traced_matmuls(gather, span):
 
 def test_position_flops_per_step_and_per_example_by_hand():
     """DeBERTa v2, H=8, MLP 16, 2 layers, k=4 buckets (R=8 rows), c2p+p2c, T=6 tokens;
-    TUPE-A on the same sizes (a (T+1)-row table)."""
+    TUPE-A on the same sizes (a (T+1)-row table, a T x T correlation)."""
     from posjax.models.config import TextConfig
     base = dict(vocab_size=32, hidden_size=8, num_heads=2, num_layers=2, mlp_dim=16,
                 max_position_embeddings=16)
@@ -151,14 +151,15 @@ def test_position_flops_per_step_and_per_example_by_hand():
     assert flops.text_encoder_forward_flops(deberta, 6) == flops.Flops(per_example, per_step)
     assert flops.Flops(per_example, per_step).total(32) == 32 * per_example + per_step
     tupe = TextConfig(**base, position_scheme="tupe_a")
+    # Projections of the 7 table rows, the 6 x 6 correlation, [CLS]'s θ1 and θ2 per head.
     assert flops.text_encoder_forward_flops(tupe, 6) == flops.Flops(
-        2 * layer, 2 * 2 * 7 * 8 * 8 + 2 * 7 * 7 * 8)
+        2 * layer, 2 * 2 * 7 * 8 * 8 + 2 * 6 * 6 * 8 + 2 * 2 * 8)
     # BERT-A-d: TUPE's part, the mixed terms' position sides on T rows (per step), and per
     # layer the word sides 2·2T·H² and the two products 2·2·T·T·H (per example).
     four_terms = TextConfig(**base, position_scheme="bert_abs_d")
     mixed = 2 * 12 * 8 * 8 + 2 * 2 * 6 * 6 * 8                                   # 2688
     assert flops.text_encoder_forward_flops(four_terms, 6) == flops.Flops(
-        2 * layer + 2 * mixed, 2 * 2 * 7 * 8 * 8 + 2 * 7 * 7 * 8 + 2 * 2 * 6 * 8 * 8)
+        2 * layer + 2 * mixed, 2 * 2 * 7 * 8 * 8 + 2 * 6 * 6 * 8 + 2 * 2 * 6 * 8 * 8)
 
 
 def test_vit_b16_flops_match_the_published_count():

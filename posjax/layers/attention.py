@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posjax.layers import blocked
+from posjax.layers import blocked, logit_terms
 from posjax.layers.dropout import Dropout
 
 Array = jax.Array
@@ -213,10 +213,10 @@ def apply_rotary(x: Array, cos: Array, sin: Array) -> Array:
 def mixed_logits(word: Array, positions: Array, scale: float, word_is_query: bool) -> Array:
     """A word/position correlation term * scale -> fp32 (B, h, Lq, Lk): word (B, L, h, d) against
     positions (L', h, d), one table shared by the whole batch. word_is_query: (x_i W)(p_j U)ᵀ,
-    else (p_i U)(x_j W)ᵀ."""
-    spec = "bqhd,khd->bhqk" if word_is_query else "bkhd,qhd->bhqk"
-    return jnp.einsum(spec, word, positions.astype(word.dtype),
-                      preferred_element_type=jnp.float32) * scale
+    else (p_i U)(x_j W)ᵀ (``logit_terms.product_logits``, as the blocked path's ``Product``)."""
+    sides = (word, positions.astype(word.dtype))
+    return logit_terms.product_logits(*(sides if word_is_query else sides[::-1]), scale,
+                                      batch_first=True)
 
 
 class MultiHeadAttention(nn.Module):

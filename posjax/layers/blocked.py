@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from posjax.layers import positions
+from posjax.layers import logit_terms, positions
 from posjax.layers.dropout import dropout
 
 Array = jax.Array
@@ -80,7 +80,8 @@ class Product:
     (``first_col``) and row 0 → θ1 (``first_row``), the row winning at [0, 0].
 
     query_side: (Lq, h, d) or (B, Lq, h, d); key_side: (Lk, h, d) or (B, Lk, h, d);
-    first_row / first_col: (h,) or None. Per block: (bq, h, d)·(bk, h, d) -> (h, bq, bk).
+    first_row / first_col: (h,) or None. Per block: (bq, h, d)·(bk, h, d) -> (h, bq, bk)
+    (``logit_terms.untied_logits``, as the plain path's ``TupePositionBias``).
     """
 
     query_side: Array
@@ -92,17 +93,8 @@ class Product:
     ROW_FIELDS = {"query_side": "q", "key_side": "k"}
 
     def block_logits(self, ctx: BlockContext) -> Array:
-        a, b = self.query_side, self.key_side   # rows first: (bq, [B,] h, d), (bk, [B,] h, d)
-        spec = (("qbhd" if a.ndim == 4 else "qhd") + "," + ("kbhd" if b.ndim == 4 else "khd")
-                + "->" + ("bhqk" if 4 in (a.ndim, b.ndim) else "hqk"))
-        t = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * self.scale
-        if self.first_col is not None:
-            t = jnp.where(ctx.kpos[None, :] == 0,
-                          self.first_col.astype(jnp.float32)[:, None, None], t)
-        if self.first_row is not None:
-            t = jnp.where(ctx.qpos[:, None] == 0,
-                          self.first_row.astype(jnp.float32)[:, None, None], t)
-        return t
+        return logit_terms.untied_logits(self.query_side, self.key_side, ctx.qpos,
+                                         ctx.kpos, self.first_row, self.first_col, self.scale)
 
 
 @struct.dataclass
@@ -112,8 +104,9 @@ class RelativeBucketBias:
     table: (A, num_buckets [+1], h), A = 1 (text: c = token index) or 2 (``grid``: row and
     column of each patch, [CLS] at (0, 0) when ``untie_cls``). With ``untie_cls`` column 0
     uses bucket num_buckets and row 0 bucket num_buckets/2 (row wins), as
-    ``positions.t5_bucket_matrix``. Per block: static bucket-per-offset lookup, then a
-    (bq, bk) gather of the table -> (h, bq, bk).
+    ``positions.t5_bucket_matrix``. Per block: the static bucket-per-difference lookup
+    (``positions.t5_pair_buckets`` of the block's positions), then a (bq, bk) gather of the
+    table (``logit_terms.t5_logits``) -> (h, bq, bk), as the plain path's ``T5RelativeBias``.
     """
 
     table: Array
@@ -125,19 +118,11 @@ class RelativeBucketBias:
     ROW_FIELDS = {}   # every array is shared by all blocks
 
     def block_logits(self, ctx: BlockContext) -> Array:
-        total = None
-        for a, (cq, ck, by_diff, offset) in enumerate(
-                _t5_axes(self.num_buckets, self.max_distance, self.untie_cls, self.grid,
-                         ctx.lq_pad, ctx.lk_pad)):
-            ci = ctx.qpos if cq is None else jnp.asarray(cq)[ctx.qpos]
-            cj = ctx.kpos if ck is None else jnp.asarray(ck)[ctx.kpos]
-            bucket = jnp.asarray(by_diff)[cj[None, :] - ci[:, None] + offset]   # (bq, bk)
-            if self.untie_cls:
-                bucket = jnp.where(ctx.kpos[None, :] == 0, self.num_buckets, bucket)
-                bucket = jnp.where(ctx.qpos[:, None] == 0, self.num_buckets // 2, bucket)
-            term = jnp.take(self.table[a].astype(jnp.float32), bucket, axis=0)   # (bq, bk, h)
-            total = term if total is None else total + term
-        return jnp.transpose(total, (2, 0, 1))
+        axes = positions.t5_axes(self.num_buckets, self.max_distance, self.untie_cls,
+                                 self.grid, max(ctx.lq_pad, ctx.lk_pad))
+        return logit_terms.t5_logits(self.table, [
+            positions.t5_pair_buckets(axis, ctx.qpos, ctx.kpos, self.num_buckets,
+                                      self.untie_cls) for axis in axes])
 
 
 @struct.dataclass
@@ -145,7 +130,8 @@ class LinearBias:
     """ALiBi-style symmetric linear bias t[h, i, j] = −slopes[h]·|i − j|; slopes: (h,). On a
     patch grid (``coords`` (A, L): each token's row and column, ``positioned`` (L,) bool) the
     distance is Σ_a |c_a[i] − c_a[j]|, and 0 for a pair with a token without a position
-    ([CLS]), as ``position_bias.alibi_bias``."""
+    ([CLS]): ``logit_terms.alibi_logits`` of the block's positions, as the plain path's
+    ``position_bias.alibi_bias``."""
 
     slopes: Array
     coords: Array | None = None
@@ -155,15 +141,13 @@ class LinearBias:
 
     def block_logits(self, ctx: BlockContext) -> Array:
         if self.coords is None:
-            dist = jnp.abs(ctx.kpos[None, :] - ctx.qpos[:, None]).astype(jnp.float32)
-        else:   # padded positions past L read the last token's entries; they are masked
-            cq = jnp.take(self.coords, ctx.qpos, axis=1, mode="clip")
-            ck = jnp.take(self.coords, ctx.kpos, axis=1, mode="clip")
-            dist = jnp.abs(cq[:, :, None] - ck[:, None, :]).sum(0)
-            both = (jnp.take(self.positioned, ctx.qpos, mode="clip")[:, None]
-                    & jnp.take(self.positioned, ctx.kpos, mode="clip")[None, :])
-            dist = jnp.where(both, dist, 0.0)
-        return -self.slopes.astype(jnp.float32)[:, None, None] * dist
+            return logit_terms.alibi_logits(self.slopes, [ctx.qpos], [ctx.kpos])
+        # padded positions past L read the last token's entries; they are masked
+        cq = jnp.take(self.coords, ctx.qpos, axis=1, mode="clip")
+        ck = jnp.take(self.coords, ctx.kpos, axis=1, mode="clip")
+        return logit_terms.alibi_logits(self.slopes, list(cq), list(ck),
+                                        jnp.take(self.positioned, ctx.qpos, mode="clip"),
+                                        jnp.take(self.positioned, ctx.kpos, mode="clip"))
 
 
 @struct.dataclass
@@ -179,7 +163,9 @@ class Disentangled:
     first key ks, the offsets r = i − j span W = bq + bk − 1 values
     r = qs − ks − (bk − 1) + w (w = 0…W−1): their δ rows (W, h, d) of each table are gathered,
     q_blk·K_r[δ_w] -> (B, h, bq, W) and k_blk·Q_r[δ_w] -> (B, h, bk, W), and skewed into
-    (B, h, bq, bk) at w(a, c) = a − c + bk − 1 by a slice and reshape (``_skew``).
+    (B, h, bq, bk) at w(a, c) = a − c + bk − 1 by a slice and reshape
+    (``positions.offset_window``, ``logit_terms.disentangled_logits``, as the plain path's
+    relative shift).
     """
 
     rel_key: Array | None
@@ -192,22 +178,13 @@ class Disentangled:
     ROW_FIELDS = {}   # every array is shared by all blocks
 
     def block_logits(self, ctx: BlockContext) -> Array:
-        bq, bk = ctx.qpos.shape[0], ctx.kpos.shape[0]
-        width = bq + bk - 1
-        by_offset = _deberta_rows_by_offset(self.span, self.bucket_size, self.max_position,
-                                            ctx.lq_pad, ctx.lk_pad)   # index r + lk_pad − 1
-        start = ctx.qpos[0] - ctx.kpos[0] - (bk - 1) + (ctx.lk_pad - 1)
-        rows = jax.lax.dynamic_slice(jnp.asarray(by_offset), (start,), (width,))   # (W,)
-        total = None
-        if self.rel_key is not None:   # c2p[a, c] = s[a, a − c + bk − 1] = s'[a, (bq−1−a) + c]
-            s = jnp.einsum("qbhd,whd->bhqw", ctx.q, self.rel_key[rows[::-1]],   # s' (reversed)
-                           preferred_element_type=jnp.float32)
-            total = _skew(s, bk)
-        if self.rel_query is not None:   # p2c[a, c] = s[c, a − c + bk − 1] = sᵀ-skew
-            s = jnp.einsum("kbhd,whd->bhkw", ctx.k, self.rel_query[rows],
-                           preferred_element_type=jnp.float32)
-            term = jnp.swapaxes(_skew(s, bq), -1, -2)
-            total = term if total is None else total + term
+        by_offset = positions.deberta_offset_rows(self.span, self.bucket_size,
+                                                  self.max_position, ctx.lq_pad, ctx.lk_pad)
+        window = positions.offset_window(by_offset, ctx.qpos[0], ctx.kpos[0],
+                                         ctx.qpos.shape[0], ctx.kpos.shape[0], ctx.lk_pad)
+        c2p, p2c = logit_terms.disentangled_logits(ctx.q, ctx.k, self.rel_key, self.rel_query,
+                                                   window)
+        total = c2p if p2c is None else p2c if c2p is None else c2p + p2c
         return total * self.scale
 
 
@@ -251,51 +228,6 @@ class BlockTerms:
         ctx = BlockContext(None, None, qpos, kpos, length, length)
         total = sum(t.block_logits(ctx) for t in self.replace(products=products).terms())
         return total if total.ndim == 4 else total[None]
-
-
-def _skew(s: Array, cols: int) -> Array:
-    """(…, n, W) -> (…, n, cols) with out[r, c] = s[r, (n − 1 − r) + c] (needs W >= n − 1 +
-    cols): in the flat (n·W) view that element sits at (n − 1) + r·(W − 1) + c, so one slice
-    and a reshape to rows of W − 1 place it — no gather (its gradient is a pad)."""
-    if s.shape[-1] - 1 < cols:   # a single row (n = 1): room for the reshape below
-        s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, cols + 1 - s.shape[-1])])
-    n, width = s.shape[-2:]
-    flat = s.reshape(s.shape[:-2] + (n * width,))[..., n - 1: n - 1 + n * (width - 1)]
-    return flat.reshape(s.shape[:-2] + (n, width - 1))[..., :cols]
-
-
-@functools.lru_cache(maxsize=64)
-def _deberta_rows_by_offset(span: int, bucket_size: int, max_position: int, lq_pad: int,
-                            lk_pad: int) -> np.ndarray:
-    """δ for every offset r = i − j = −(lk_pad − 1) … lq_pad − 1, at index r + lk_pad − 1."""
-    r = np.arange(-(lk_pad - 1), lq_pad)
-    return positions.deberta_relative_index(r, np.zeros(1, np.int64), span=span,
-                                            bucket_size=bucket_size,
-                                            max_position=max_position)[:, 0]
-
-
-@functools.lru_cache(maxsize=64)
-def _t5_axes(num_buckets: int, max_distance: int, untie_cls: bool,
-             grid: tuple[int, int] | None, lq_pad: int, lk_pad: int
-             ) -> tuple[tuple[np.ndarray | None, np.ndarray | None, np.ndarray, int], ...]:
-    """Per position axis (coords of queries or None = the token index, coords of keys,
-    bucket per coordinate difference, offset of difference 0): bucket(c_j − c_i) =
-    by_diff[c_j − c_i + offset], by_diff = ``positions.t5_relative_bucket`` of every
-    difference. Text: differences −(lq_pad − 1) … lk_pad − 1; a grid: per axis −(g − 1) … g − 1
-    with [CLS] (``untie_cls``) and padding at coordinate 0."""
-    if grid is None:
-        diffs = np.arange(-(lq_pad - 1), lk_pad)
-        return ((None, None, positions.t5_relative_bucket(diffs, num_buckets, max_distance),
-                 lq_pad - 1),)
-    out = []
-    for coords, size in zip(positions.grid_coordinates(grid), grid):
-        c = np.concatenate([np.zeros(int(untie_cls), np.int64), coords])
-        cq = np.pad(c, (0, lq_pad - len(c)))
-        ck = np.pad(c, (0, lk_pad - len(c)))
-        diffs = np.arange(-(size - 1), size)
-        out.append((cq.astype(np.int32), ck.astype(np.int32),
-                    positions.t5_relative_bucket(diffs, num_buckets, max_distance), size - 1))
-    return tuple(out)
 
 
 def _roles(terms: BlockTerms) -> list[str]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.layers import blocked, positions
+from posjax.layers import blocked, logit_terms, positions
 from posjax.layers.attention import (attention_weights, check_attention_inputs, combine_heads,
                                     content_logits, dense)
 from posjax.layers.dropout import Dropout
@@ -30,24 +30,15 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
 
     content: (B, La, h, d) content queries (c2p) or keys (p2c); table: (R, h, d) projected
     relative table; index: per axis (La, Lc) or (B, La, Lc) -> fp32 (B, h, La, Lc).
-    The relative shift, for a static Toeplitz index (text, queries = keys): gather the table
-    rows of the 2L − 1 distances first (a small (2L−1, h, d) row gather), multiply them with
-    ``content`` and shift (skew) the (B, h, L, 2L−1) product into place — no gather of an
-    L × L array. ``shift`` does this when 2L − 1 <= R, where it also costs fewer FLOPs than the
-    product with the whole table; ``skew`` at every length ((2L−1)/R times that product's FLOPs
-    beyond, for hardware where gathers are slow). Otherwise (longer sequences with ``shift``,
-    other indices, other methods) the product with the whole table, (B, h, La, R), is gathered
-    by ``relative_gather`` (``shift`` and ``skew`` then gather like ``take``).
+    The product with the whole table, (B, h, La, R), is gathered by ``relative_gather``
+    (``shift`` and ``skew`` gather like ``take`` here: text at queries = keys takes the
+    relative shift in ``DisentangledAttention`` instead, ``takes_relative_shift``); a single
+    static row or column of pairs multiplies only the table rows it reads.
     """
     total, full = None, None
     for idx in index:
-        cols = (_toeplitz_columns(idx) if method in ("shift", "skew") and len(index) == 1
-                and isinstance(idx, np.ndarray) else None)   # text only (grids: 2 axes)
         if isinstance(idx, np.ndarray) and idx.ndim == 2 and 1 in idx.shape:
             term = _thin_position_logits(content, table, idx)
-        elif cols is not None and takes_relative_shift(method, len(cols), table.shape[0]):
-            term = _skew(jnp.einsum("bqhd,chd->bhqc", content, table[cols],
-                                    preferred_element_type=jnp.float32))
         else:
             if full is None:
                 full = jnp.einsum("bqhd,rhd->bhqr", content, table,
@@ -58,8 +49,13 @@ def position_logits(content: Array, table: Array, index: tuple[Array | np.ndarra
 
 
 def takes_relative_shift(method: str, distances: int, rows: int) -> bool:
-    """Whether a text index of ``distances`` = 2L − 1 distances and an R-row table (``rows``)
-    take the relative shift: ``skew`` always, ``shift`` when 2L − 1 <= R."""
+    """Whether text (queries = keys) with ``distances`` = 2L − 1 distances and an R-row table
+    (``rows``) takes the relative shift (``logit_terms.disentangled_logits``: gather the
+    table rows of the 2L − 1 distances, a small (2L−1, h, d) row gather, multiply them with
+    the content and skew the (B, h, L, 2L−1) product into place — no gather of an L × L
+    array): ``skew`` always, ``shift`` when 2L − 1 <= R, where it also costs fewer FLOPs than
+    the product with the whole table (``skew`` beyond costs (2L−1)/R times that product's
+    FLOPs, for hardware where gathers are slow)."""
     return method == "skew" or (method == "shift" and distances <= rows)
 
 
@@ -149,27 +145,6 @@ def _gather_onehot_bwd(index: _StaticIndex, _: None, g: Array) -> tuple[Array]:
 
 
 _gather_onehot_gradient.defvjp(_gather_onehot_fwd, _gather_onehot_bwd)
-
-
-def _toeplitz_columns(index: np.ndarray) -> np.ndarray | None:
-    """If index[i, j] depends only on i − j (square), the column for each i − j = L−1 … −(L−1)."""
-    if index.ndim != 2 or index.shape[0] != index.shape[1] or index.shape[0] < 2:
-        return None
-    n = index.shape[0]
-    first_col, first_row = index[:, 0], index[0, :]   # r = i (i >= 0), r = -j
-    cols = np.concatenate([first_col[::-1], first_row[1:]])   # r = n-1 ... 0 ... -(n-1)
-    i, j = np.indices(index.shape)
-    if not np.array_equal(cols[(n - 1) - (i - j)], index):
-        return None
-    return cols
-
-
-def _skew(s: Array) -> Array:
-    """(…, L, 2L−1) with column c for distance r = L−1−c -> (…, L, L) with out[i, j] = s[i, L−1−i+j]."""
-    n = s.shape[-2]
-    flat = s.reshape(s.shape[:-2] + (n * (2 * n - 1),))
-    flat = flat[..., n - 1: n - 1 + n * (2 * n - 2)]
-    return flat.reshape(s.shape[:-2] + (n, 2 * n - 2))[..., :n]
 
 
 class DisentangledAttention(nn.Module):
@@ -263,14 +238,17 @@ class DisentangledAttention(nn.Module):
         rel_table = Dropout(self.dropout_rate)(rel_table, deterministic=not train)
         if self.block_size and self.grid is not None:
             raise ValueError("the blocked path (block_size > 0) covers text only, not a grid")
-        if self.block_size and query_positions is None:   # masks: (B, 1, 1, L), query_mask (B, L)
+        pos_key = pos_query = None   # K_r = pos_key(table), Q_r = pos_query(table)
+        if "c2p" in self.pos_att_type:
             pos_key = key if self.share_att_key else dense(
                 hd, names, name="pos_key", dtype=self.dtype, use_bias=not self.v1)
+        if "p2c" in self.pos_att_type:
             pos_query = query if self.share_att_key else dense(
                 hd, names, name="pos_query", dtype=self.dtype)
+        if self.block_size and query_positions is None:   # masks: (B, 1, 1, L), query_mask (B, L)
             rel = blocked.Disentangled(
-                pos_key(rel_table) if "c2p" in self.pos_att_type else None,
-                pos_query(rel_table) if "p2c" in self.pos_att_type else None,
+                None if pos_key is None else pos_key(rel_table),
+                None if pos_query is None else pos_query(rel_table),
                 span=span, bucket_size=self.position_buckets,
                 max_position=self.max_relative_positions, scale=scale)
             out = blocked.layer_attention(
@@ -282,14 +260,38 @@ class DisentangledAttention(nn.Module):
         if query_mask is not None:   # (B, Lq): as on the blocked path, masked rows get zeros
             rows = query_mask[:, None, :, None]
             mask = rows if mask is None else mask & rows
-        index = self.relative_index(x_q.shape[1], num_keys, query_positions)
-        if "c2p" in self.pos_att_type:
-            pos_key = key if self.share_att_key else dense(
-                hd, names, name="pos_key", dtype=self.dtype, use_bias=not self.v1)
+        if (self.grid is None and query_positions is None
+                and takes_relative_shift(self.gather, 2 * num_keys - 1, rel_table.shape[0])):
+            # The relative shift over the window of every offset, as the blocked path's blocks.
+            window = positions.offset_window(
+                positions.deberta_offset_rows(span, self.position_buckets,
+                                              self.max_relative_positions, num_keys, num_keys),
+                0, 0, num_keys, num_keys, num_keys)
+            c2p, p2c = logit_terms.disentangled_logits(
+                q, k, None if pos_key is None else pos_key(rel_table),
+                None if pos_query is None else pos_query(rel_table), window, batch_first=True)
+            for term in (c2p, p2c):
+                if term is not None:
+                    logits = logits + term * scale
+        else:
+            index = self.relative_index(x_q.shape[1], num_keys, query_positions)
+            logits = self._gathered_logits(logits, q, k, pos_key, pos_query, rel_table, index,
+                                           scale)
+        weights = attention_weights(logits, mask)
+        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
+        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
+        out = combine_heads(weights, v, self.dtype)
+        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
+                     axis=(-2, -1))(out)
+
+    def _gathered_logits(self, logits: Array, q: Array, k: Array, pos_key: nn.Module | None,
+                         pos_query: nn.Module | None, rel_table: Array, index: tuple[Array | np.ndarray, ...],
+                         scale: float) -> Array:
+        """logits + (c2p + p2c)·scale by gathers at the per-pair ``index`` (grids, explicit
+        query positions, ``take``/``onehot``)."""
+        if pos_key is not None:
             logits = logits + position_logits(q, pos_key(rel_table), index, self.gather) * scale
-        if "p2c" in self.pos_att_type:
-            pos_query = query if self.share_att_key else dense(
-                hd, names, name="pos_query", dtype=self.dtype)
+        if pos_query is not None:
             query_rows = pos_query(rel_table)                       # (A·2k, h, d)
             if all(isinstance(idx, np.ndarray) for idx in index):
                 # p2c[i, j] = K_c[j]·Q_r[δ(i, j)]: gather by δᵀ
@@ -300,12 +302,7 @@ class DisentangledAttention(nn.Module):
                                  preferred_element_type=jnp.float32)
                 for idx in index:
                     logits = logits + _p2c_dynamic(p2c, idx) * scale
-        weights = attention_weights(logits, mask)
-        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
-        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
-        out = combine_heads(weights, v, self.dtype)
-        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
-                     axis=(-2, -1))(out)
+        return logits
 
 
 def _p2c_dynamic(p2c: Array, index: Array) -> Array:

@@ -5,6 +5,11 @@
 * ``TupePositionBias``: TUPE's untied absolute correlation (Ke et al. 2021, Eq. 6 and §3.2):
   A = (LN(P) U_Q)(LN(P) U_K)ᵀ / √(2d), with the [CLS] row/column reset to θ1/θ2; for the
   BERT-A-d ablation also the position sides of its two mixed word/position terms.
+
+Each module computes its parameters' sides once and hands them either to the term's
+function in ``logit_terms`` for every position 0…L−1 (the plain path: an (h, L, L) array) or,
+un-materialised, to a ``blocked`` term that calls the same function per block
+(``block_terms``).
 """
 from __future__ import annotations
 
@@ -15,14 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.layers import blocked, positions
-from posjax.layers.attention import DEFAULT_INIT, Dense, LayerNorm, dense, layer_norm
+from posjax.layers import blocked, logit_terms, positions
+from posjax.layers.attention import DEFAULT_INIT, dense, layer_norm
 
 Array = jax.Array
 
 
 class T5RelativeBias(nn.Module):
-    """(h, L, L) bias from a (axes, buckets [+1], h) table; one axis for text, two for a grid."""
+    """(h, L, L) bias from a (axes, buckets [+1], h) table; one axis for text, two for a grid:
+    ``logit_terms.t5_logits`` of ``positions.t5_bucket_matrix``."""
 
     num_heads: int
     num_buckets: int = 32
@@ -31,37 +37,37 @@ class T5RelativeBias(nn.Module):
     grid: tuple[int, int] | None = None
 
     @nn.compact
-    def __call__(self, length: int) -> Array:
-        buckets = positions.t5_bucket_matrix(length, self.num_buckets, self.max_distance,
-                                             self.untie_cls, self.grid)
+    def __call__(self, length: int, blocked_path: bool = False
+                 ) -> Array | blocked.RelativeBucketBias:
+        buckets = None
+        if not blocked_path:
+            buckets = positions.t5_bucket_matrix(length, self.num_buckets, self.max_distance,
+                                                 self.untie_cls, self.grid)
         rows = self.num_buckets + (1 if self.untie_cls else 0)
+        axes = 1 if self.grid is None else 2
         table = self.param("rel_bias", nn.with_logical_partitioning(
-            DEFAULT_INIT, (None, None, "heads")), (len(buckets), rows, self.num_heads), jnp.float32)
-        bias = sum(jnp.take(table[a], b, axis=0) for a, b in enumerate(buckets))   # (L, L, h)
-        return jnp.transpose(bias, (2, 0, 1))
+            DEFAULT_INIT, (None, None, "heads")), (axes, rows, self.num_heads), jnp.float32)
+        if blocked_path:
+            return blocked.RelativeBucketBias(table, self.num_buckets, self.max_distance,
+                                              self.untie_cls, self.grid)
+        return logit_terms.t5_logits(table, buckets)
 
     def block_terms(self, length: int) -> blocked.RelativeBucketBias:
         """``__call__(length)`` un-materialised, for the blocked path: the (axes, buckets [+1],
         h) table and the static bucketing; bias[h, i, j] is formed per block."""
-        if not self.has_variable("params", "rel_bias"):   # init: __call__ creates the table
-            self(1 if self.grid is None else length)
-        return blocked.RelativeBucketBias(
-            nn.unbox(self.get_variable("params", "rel_bias")), self.num_buckets,
-            self.max_distance, self.untie_cls, self.grid)
+        return self(length, blocked_path=True)
 
 
 def alibi_bias(num_heads: int, coords: list[np.ndarray], positioned: np.ndarray) -> Array:
     """ALiBi for a bidirectional encoder: b[h, i, j] = −slope_h · Σ_a |c_a[i] − c_a[j]|, (h, L, L)
     fp32 (text: |i − j|; a grid: the Manhattan distance between patches), 0 for pairs with a
-    token without a position ([CLS]). Slopes: ``positions.alibi_slopes``. Built from (L,)
-    coordinates at run time, so no L × L constant is embedded in the program."""
-    distance = sum(jnp.abs(jnp.asarray(c, jnp.float32)[:, None] - jnp.asarray(c, jnp.float32)[None])
-                   for c in coords)
-    if not positioned.all():
-        both = jnp.asarray(positioned)[:, None] & jnp.asarray(positioned)[None]
-        distance = jnp.where(both, distance, 0.0)
-    slopes = jnp.asarray(positions.alibi_slopes(num_heads))
-    return -slopes[:, None, None] * distance[None]
+    token without a position ([CLS]): ``logit_terms.alibi_logits`` of every token. Slopes:
+    ``positions.alibi_slopes``. Built from (L,) coordinates at run time, so no L × L constant
+    is embedded in the program."""
+    coords_f32 = [jnp.asarray(c, jnp.float32) for c in coords]
+    unpositioned = None if positioned.all() else positioned
+    return logit_terms.alibi_logits(positions.alibi_slopes(num_heads), coords_f32, coords_f32,
+                                    unpositioned, unpositioned)
 
 
 class TupePositionBias(nn.Module):
@@ -69,7 +75,8 @@ class TupePositionBias(nn.Module):
 
     P = LN(table[:L+1]); A = (P U_Q + b_Q)(P U_K + b_K)ᵀ · ``logit_scale`` per head,
     (h, L+1, L+1), 1/√(2d) by default. Token i uses table row i + 1; with ``untie_cls`` the
-    result's row 0 is θ1 = A[0, 0] and its column 0 is θ2 = A[1, 1] (row wins at [0, 0]).
+    result's row 0 is θ1 = A[0, 0] and its column 0 is θ2 = A[1, 1] (row wins at [0, 0]):
+    ``logit_terms.untied_logits`` with ``logit_terms.tupe_cls_logits``.
 
     ``mixed_terms`` (BERT-A-d): also the position sides of the word-to-position and
     position-to-word terms, shared by every layer like A: 'position_query' P Ũ_Q + b and
@@ -85,7 +92,11 @@ class TupePositionBias(nn.Module):
     mixed_terms: bool = False
 
     @nn.compact
-    def __call__(self, length: int) -> dict[str, Array]:
+    def __call__(self, length: int, blocked_path: bool = False) -> dict[str, Any]:
+        """-> {'bias': (h, L, L)} (plain path) or, with ``blocked_path``, {'untied':
+        ``blocked.Product``(Pq, Pk, θ1, θ2)}, Pq = (P U_Q + b)·scale and Pk = P U_K + b for
+        tokens 0…L−1 (table rows 1…L), (L, h, d) each, θ1, θ2 (h,) (None with a tied [CLS]);
+        with ``mixed_terms`` also 'position_query' and 'position_key'."""
         if length > self.max_len:
             raise ValueError(f"length {length} exceeds max_len={self.max_len} positions of the "
                              "table: truncate the inputs or enlarge the table")
@@ -99,13 +110,17 @@ class TupePositionBias(nn.Module):
             return dense(hd, ("embed", "heads", "kv"), name=name, dtype=jnp.float32)(rows)
 
         scale = (2 * self.head_dim) ** -0.5 if self.logit_scale is None else self.logit_scale
-        a = jnp.einsum("qhd,khd->hqk", project("query") * scale, project("key"))
-        b = a[:, 1:, 1:]
+        pq, pk = project("query") * scale, project("key")            # (L+1, h, d), row 0 [CLS]
+        first_row = first_col = None
         if self.untie_cls:
-            first = np.arange(length) == 0
-            b = jnp.where(first[None, None, :], a[:, 1, 1][:, None, None], b)   # column 0: θ2
-            b = jnp.where(first[None, :, None], a[:, 0, 0][:, None, None], b)   # row 0: θ1
-        terms = {"bias": b}
+            first_row, first_col = logit_terms.tupe_cls_logits(pq, pk)
+        if blocked_path:
+            terms: dict[str, Any] = {
+                "untied": blocked.Product(pq[1:], pk[1:], first_row, first_col)}
+        else:
+            tokens = np.arange(length)
+            terms = {"bias": logit_terms.untied_logits(pq[1:], pk[1:], tokens, tokens,
+                                                       first_row, first_col)}
         if self.mixed_terms:
             terms["position_query"] = project("query_for_words", p[1:])
             terms["position_key"] = project("key_for_words", p[1:])
@@ -113,33 +128,5 @@ class TupePositionBias(nn.Module):
 
     def block_terms(self, length: int) -> dict[str, Any]:
         """``__call__(length)`` un-materialised, for the blocked path: {'untied':
-        ``blocked.Product``(Pq, Pk, θ1, θ2)} with Pq = (P U_Q + b)·scale and Pk = P U_K + b
-        for tokens 0…L−1 (table rows 1…L), (L, h, d) each, and θ1 = A[0, 0], θ2 = A[1, 1]
-        per head (None with a tied [CLS]); with ``mixed_terms`` also 'position_query' and
-        'position_key' as ``__call__``. The same parameters, read through ``__call__``'s
-        submodules' parameter names."""
-        if length > self.max_len:
-            raise ValueError(f"length {length} exceeds max_len={self.max_len} positions of the "
-                             "table: truncate the inputs or enlarge the table")
-        if not self.has_variable("params", "position_embeddings"):   # init: __call__ creates
-            self(1)
-        params = nn.unbox(self.variables["params"])
-        p = LayerNorm(self.eps, jnp.float32, parent=None).apply(
-            {"params": params["norm"]}, params["position_embeddings"][: length + 1])
-        hd = (self.num_heads, self.head_dim)
-
-        def project(name: str, rows: Array = p) -> Array:
-            return Dense(hd, ("embed", "heads", "kv"), dtype=jnp.float32, parent=None).apply(
-                {"params": params[name]}, rows)
-
-        scale = (2 * self.head_dim) ** -0.5 if self.logit_scale is None else self.logit_scale
-        pq, pk = project("query") * scale, project("key")
-        first_row = first_col = None
-        if self.untie_cls:
-            first_row = jnp.einsum("hd,hd->h", pq[0], pk[0])   # θ1 = A[0, 0]
-            first_col = jnp.einsum("hd,hd->h", pq[1], pk[1])   # θ2 = A[1, 1]
-        terms: dict[str, Any] = {"untied": blocked.Product(pq[1:], pk[1:], first_row, first_col)}
-        if self.mixed_terms:
-            terms["position_query"] = project("query_for_words", p[1:])
-            terms["position_key"] = project("key_for_words", p[1:])
-        return terms
+        ``blocked.Product``} (and the mixed sides), the same parameters."""
+        return self(length, blocked_path=True)

@@ -5,6 +5,7 @@ trace time, so XLA sees constants.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -78,34 +79,116 @@ def grid_coordinates(grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(-1), cols.reshape(-1)
 
 
+# Position indices: static numpy (the plain path, all of 0…L−1) or traced (a block's rows).
+Index = np.ndarray | jax.Array
+
+
+def _xp(*arrays: object):
+    """numpy when every array is numpy (static, at trace time), else jax.numpy."""
+    return np if all(isinstance(a, (np.ndarray, np.generic, int)) for a in arrays) else jnp
+
+
+def reset_cls(values: Index, query_positions: Index, key_positions: Index,
+              row_value: int | Index | None, column_value: int | Index | None) -> Index:
+    """The untied [CLS] (TUPE's θ1/θ2, T5's two extra buckets): values (..., nq, nk) with
+    every pair of key position 0 set to ``column_value``, then every pair of query position 0
+    to ``row_value`` (the row wins at [0, 0]); a None value leaves its line as it is.
+    query_positions (nq,), key_positions (nk,): global token indices; the values broadcast
+    against (..., nq, nk). numpy in, numpy out."""
+    xp = _xp(values, query_positions, key_positions)
+    if column_value is not None:
+        values = xp.where(key_positions[None, :] == 0, column_value, values)
+    if row_value is not None:
+        values = xp.where(query_positions[:, None] == 0, row_value, values)
+    return values
+
+
+# One axis of the static T5 bucketing: (coords (n,) int32 or None = the token index,
+# bucket per coordinate difference, offset of difference 0).
+T5Axis = tuple[np.ndarray | None, np.ndarray, int]
+
+
+@functools.lru_cache(maxsize=64)
+def t5_axes(num_buckets: int, max_distance: int, untie_cls: bool,
+            grid: tuple[int, int] | None, length: int) -> tuple[T5Axis, ...]:
+    """The static part of the T5 bias for tokens 0…length−1, per position axis: (coords,
+    by_diff, offset), so that bucket(c[j] − c[i]) = by_diff[c[j] − c[i] + offset] with
+    by_diff = ``t5_relative_bucket`` of every coordinate difference. Text: one axis, coords
+    None (c = the token index), differences −(length−1)…length−1. A grid: (row, col) of each
+    patch after [CLS] (at (0, 0), present when ``untie_cls``), tokens past the grid (padding)
+    at 0, differences −(g−1)…g−1 per axis."""
+    if grid is None:
+        diffs = np.arange(-(length - 1), length)
+        return ((None, t5_relative_bucket(diffs, num_buckets, max_distance), length - 1),)
+    out = []
+    for coords, size in zip(grid_coordinates(grid), grid):
+        c = np.concatenate([np.zeros(int(untie_cls), np.int64), coords])
+        if len(c) > length:
+            raise ValueError(f"length {length} is shorter than grid {grid[0]}x{grid[1]}'s "
+                             f"{len(c)} tokens")
+        c = np.pad(c, (0, length - len(c))).astype(np.int32)
+        diffs = np.arange(-(size - 1), size)
+        out.append((c, t5_relative_bucket(diffs, num_buckets, max_distance), size - 1))
+    return tuple(out)
+
+
+def t5_pair_buckets(axis: T5Axis, query_positions: Index, key_positions: Index,
+                    num_buckets: int, untie_cls: bool) -> Index:
+    """bucket[i, j] = T5 bucket of c[j] − c[i] on one axis of ``t5_axes``, (nq, nk) int32,
+    for query positions (nq,) and key positions (nk,) (token indices: numpy for all of
+    0…L−1 on the plain path, a block's traced rows on the blocked path); with ``untie_cls``
+    column 0 takes bucket ``num_buckets`` and row 0 bucket ``num_buckets/2`` (``reset_cls``),
+    a bucket the bucketing never produces."""
+    coords, by_diff, offset = axis
+    xp = _xp(query_positions, key_positions)
+    ci = query_positions if coords is None else xp.asarray(coords)[query_positions]
+    cj = key_positions if coords is None else xp.asarray(coords)[key_positions]
+    bucket = xp.asarray(by_diff)[cj[None, :] - ci[:, None] + offset]
+    if untie_cls:
+        bucket = reset_cls(bucket, query_positions, key_positions, num_buckets // 2,
+                           num_buckets)
+    return bucket.astype(np.int32)
+
+
 def t5_bucket_matrix(length: int, num_buckets: int, max_distance: int, untie_cls: bool,
                      grid: tuple[int, int] | None = None) -> tuple[np.ndarray, ...]:
-    """Static T5 bucket indices, one (L, L) matrix per position axis.
+    """Static T5 bucket indices, one (L, L) matrix per position axis (``t5_pair_buckets`` of
+    every pair).
 
     Text: one matrix of bucket(j - i). Images (``grid``): one matrix per axis (rows, cols) over
     patches; the sum of the two per-axis biases is the 2D relative bias. With ``untie_cls`` token 0
     is [CLS]: its column uses bucket ``num_buckets`` and its row bucket ``num_buckets/2`` (row wins
     at [0, 0]); the table then has ``num_buckets + 1`` rows.
     """
-    if grid is None:
-        pos = np.arange(length)
-        axes = [pos]
-    else:
-        offset = 1 if untie_cls else 0
-        rows, cols = grid_coordinates(grid)
-        axes = [np.concatenate([np.zeros(offset, np.int64), rows]),
-                np.concatenate([np.zeros(offset, np.int64), cols])]
-        if len(axes[0]) != length:
-            raise ValueError(f"length {length} does not fit grid {grid[0]}x{grid[1]}: it needs "
-                             f"{len(axes[0])} tokens ({offset} [CLS] + {len(rows)} patches)")
-    out = []
-    for p in axes:
-        b = t5_relative_bucket(p[None, :] - p[:, None], num_buckets, max_distance)
-        if untie_cls:
-            b[:, 0] = num_buckets
-            b[0, :] = num_buckets // 2
-        out.append(b)
-    return tuple(out)
+    if grid is not None:
+        token_coordinates(length, grid, untie_cls)   # ValueError unless L fits the grid
+    pos = np.arange(length)
+    return tuple(t5_pair_buckets(axis, pos, pos, num_buckets, untie_cls)
+                 for axis in t5_axes(num_buckets, max_distance, untie_cls, grid, length))
+
+
+@functools.lru_cache(maxsize=64)
+def deberta_offset_rows(span: int, bucket_size: int, max_position: int, num_queries: int,
+                        num_keys: int) -> np.ndarray:
+    """δ(r) (``deberta_relative_index``) of every offset r = i − j = −(num_keys−1) …
+    num_queries−1, at index r + num_keys − 1, (num_queries + num_keys − 1,) int32."""
+    r = np.arange(-(num_keys - 1), num_queries)
+    return deberta_relative_index(r, np.zeros(1, np.int64), span=span, bucket_size=bucket_size,
+                                  max_position=max_position)[:, 0]
+
+
+def offset_window(by_offset: np.ndarray, first_query: int | Index, first_key: int | Index,
+                  num_queries: int, num_keys: int, total_keys: int) -> Index:
+    """The rows of ``by_offset`` (``deberta_offset_rows`` for ``total_keys`` keys) for the
+    W = num_queries + num_keys − 1 offsets r = r0 … r0 + W − 1, r0 = first_query − first_key −
+    (num_keys − 1), that a block of queries first_query… and keys first_key… spans: pair
+    (a, c) has offset r0 + (a − c + num_keys − 1). (W,): a static slice for int positions, a
+    dynamic slice for traced ones."""
+    width = num_queries + num_keys - 1
+    start = first_query - first_key - (num_keys - 1) + (total_keys - 1)
+    if _xp(first_query, first_key) is np:
+        return by_offset[start: start + width]
+    return jax.lax.dynamic_slice(jnp.asarray(by_offset), (start,), (width,))
 
 
 def resample_position_table(table: jax.Array | np.ndarray, old_grid: tuple[int, int],

@@ -11,7 +11,8 @@ gathers are ignored, as is usual for MFU. With T tokens, H hidden, M MLP width:
 * position terms (``position_flops``):
   - ``vit``/``bert_abs``/``bert_rel``/``tupe_r``'s T5 part: additions and gathers only, 0;
   - TUPE, once per forward on the (T+1, H) table, whatever the batch: projections
-    2 · 2(T+1)H², correlation 2 · (T+1)² · H (PER STEP);
+    2 · 2(T+1)H², correlation 2 · T² · H, and with an untied [CLS] its θ1, θ2 2 · 2H (PER
+    STEP);
   - BERT-A-d: TUPE's part, plus the position sides of its two mixed terms 2 · 2TH² (PER
     STEP), and per layer the word sides 2 · (Q + T) · H² and the two products 2 · 2 · Q · T · H
     (per example; Q = T, or 1 in a [CLS] classifier's last layer);
@@ -80,8 +81,13 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
     h = cfg.hidden_size
     scheme = scheme_of(cfg)
     if scheme.untied:
+        # Projections of the T + 1 table rows ([CLS]'s row 0 too), the T × T correlation and
+        # the [CLS] reset's two logits θ1, θ2 per head (when [CLS] is untied).
+        has_cls = isinstance(cfg, TextConfig) or cfg.pooling == "token"
+        reset = has_cls and not cfg.tie_cls and "mixed" not in scheme.terms
         rows = tokens + 1
-        untied = Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * rows * rows * h)
+        untied = Flops(per_step=2.0 * 2 * rows * h * h + 2.0 * tokens * tokens * h
+                       + (2.0 * 2 * h if reset else 0.0))
         if "mixed" not in scheme.terms:
             return untied
 
@@ -110,7 +116,7 @@ def position_flops(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1,
 def deberta_table_rows(cfg: TextConfig | ViTConfig, tokens: int, axes: int = 1) -> int:
     """R, the relative-table rows DeBERTa multiplies: axes · 2k (v1 text: 2·min(T, k))."""
     span = relative_span(cfg)
-    if cfg.position_scheme == "deberta" and axes == 1:
+    if scheme_of(cfg).deberta_version == 1 and axes == 1:
         span = min(tokens, span)   # v1 text uses only min(L, k) rows each side
     return axes * 2 * span
 
