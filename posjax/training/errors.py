@@ -153,7 +153,7 @@ def stop_if_diverged(step: int, accumulator: metrics_lib.MetricAccumulator,
     """Before a save: raise ``Diverged`` unless the loss and gradient-norm sums of the steps
     since the last log and every value of ``state`` (the weights after this step's update,
     optimizer moments) are finite, so a NaN or inf is never saved and never rotates a good
-    checkpoint out. The logs check the sums too (``_train``)."""
+    checkpoint out. The logs check the sums too (``trainer._Steps``)."""
     if not accumulator.all_finite(DIVERGENCE_METRICS):
         diverged(step, "the loss or gradient norm", checkpointer, writer)
     if not state_lib.all_finite(state):

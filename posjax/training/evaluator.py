@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from posjax import config_defaults
 from posjax.io_utils import signals_to_receiver_thread, writing
 from posjax.training import errors
+from posjax.training import hosts
 from posjax.training import init_from as init_from_lib
 from posjax.training import mesh as mesh_lib
 from posjax.training import processes
@@ -85,7 +86,7 @@ def run_evaluation(run: run_setup.Run, params: Any, eval_step,
             for k, v in gathered.items():
                 collected.setdefault(k, []).append(np.asarray(v))
             if (line := progress.batch_done(int(np.sum(gathered["__mask__"])))) is not None:
-                run_setup.print_main(run, line)
+                hosts.print_main(line)
     feeds = mesh_lib.batch_feeds(run.mesh)
     # Each gathered batch in the order its examples were read (feed 0's rows first).
     collected = {k: [b[feeds.feed_order(len(b))] for b in v] for k, v in collected.items()}
@@ -121,7 +122,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     latest = step is None
     if step is None and steps:
         step = steps[-1]
-    step, steps = _process_0_choice(run, step, steps)
+    step, steps = _process_0_choice(run.workdir, step, steps)
     if not steps:
         raise ValueError(f"{run.workdir / 'checkpoints'} holds no saved step yet: train there "
                          "first (a run stopped before its first save leaves it empty)")
@@ -130,7 +131,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                          f"step; {_choices(run.workdir)}")
     pipe = run.make_eval_pipeline()     # data errors before the restore
     processes.check_same_splits({"test": pipe})
-    state, step = _restore_for_eval(run, step, latest)
+    state, step = _restore_for_eval(run.workdir, run.config.checkpoint, run.abstract, step,
+                                    latest)
     params = state.params
     del state   # the optimizer state's buffers are freed: the devices hold only the params
     # A position table extended to a longer data.max_seq_length (model.extend_positions).
@@ -190,12 +192,12 @@ def _evaluate_and_write(run: run_setup.Run, model: Any, params: Any, step: int,
         result = run_evaluation(run, params, eval_step, pipe.iterator,
                                 getattr(pipe, "num_batches", None),
                                 run.workdir / "predictions" / f"step_{step}{run.eval_tag}")
-    path = write_eval(run, step, result)
+    path = write_eval(run.workdir, run.config, step, result, run.eval_tag)
     logging.info("eval step %d: %s (written to %s)", step, result, path)
     return {"step": step, "split": evaluated_split(run.config), **result}
 
 
-def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
+def _process_0_choice(workdir: pathlib.Path, step: int | None, steps: list[int]
                       ) -> tuple[int | None, list[int]]:
     """(step, steps) as every process must see them. With several processes, a run saving in
     the workdir can show them different listings (a new latest step, a step rotated out), and
@@ -212,7 +214,7 @@ def _process_0_choice(run: run_setup.Run, step: int | None, steps: list[int]
     if chosen != mine:
         logging.warning("process %d: evaluating step %d, process 0's choice (this process "
                         "listed %s in %s)", jax.process_index(), chosen, steps or "none",
-                        run.workdir / "checkpoints")
+                        workdir / "checkpoints")
     return chosen, sorted({*steps, chosen})
 
 
@@ -224,22 +226,24 @@ def _being_removed(checkpointer: Checkpointer, step: int, keep: int) -> bool:
             or 0 < keep <= sum(s > step for s in steps))
 
 
-def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
+def _restore_for_eval(workdir: pathlib.Path, checkpoint: ml_collections.ConfigDict,
+                      abstract: state_lib.TrainState, step: int, latest: bool
                       ) -> tuple[state_lib.TrainState, int]:
-    """The state at ``step``, or, when eval.py evaluates the newest intact step (``latest``),
-    at the newest intact step from ``step`` on (``resume.restore_newest_intact``; nothing is
-    moved aside: a run may be training in the workdir). A step asked for by number that is
+    """The state at ``step`` of the run in ``workdir`` (``checkpoint``: its config's
+    checkpoint settings; ``abstract``: the state's shapes and shardings), or, when eval.py
+    evaluates the newest intact step (``latest``), at the newest intact step from ``step`` on
+    (``resume.restore_newest_intact``; nothing is moved aside: a run may be training in the
+    workdir). A step asked for by number that is
     damaged is one error naming it and the intact steps. A run training in the workdir may
     rotate the step out (checkpoint.keep) while eval.py starts: then the new ``latest`` step
     is read, or, for a step asked for by number, one error says what happened."""
-    keep = run.config.checkpoint.keep
-    checkpointer = Checkpointer(run.workdir, run.config.checkpoint.every_steps, keep,
-                                create=False)
+    keep = checkpoint.keep
+    checkpointer = Checkpointer(workdir, checkpoint.every_steps, keep, create=False)
     try:
         for _ in range(3):
             try:
                 state, step = resume.restore_newest_intact(
-                    checkpointer, run.abstract, None, move=False, start=step, fall_back=latest,
+                    checkpointer, abstract, None, move=False, start=step, fall_back=latest,
                     gone=lambda s: _being_removed(checkpointer, s, keep))
                 return state, step
             except DamagedStep as damage:
@@ -247,11 +251,11 @@ def _restore_for_eval(run: run_setup.Run, step: int, latest: bool
                     if latest or damage.reason == "wrong-tree":   # another model: not damage
                         raise
                     raise ValueError(f"eval_step={step}: {resume.damage_only(damage)}; "
-                                     f"{_choices(run.workdir, but=(step,))}") from damage
+                                     f"{_choices(workdir, but=(step,))}") from damage
                 if jax.process_count() > 1:   # processes would differ
                     raise
                 step = damage.step
-                steps = [s for s in integrity.saved_steps(run.workdir) if s != step]
+                steps = [s for s in integrity.saved_steps(workdir) if s != step]
             if not (latest and steps):
                 raise ValueError(
                     f"eval_step={step}: {checkpointer.directory / str(step)} was removed while "
@@ -271,22 +275,25 @@ def evaluated_split(config: ml_collections.ConfigDict) -> str:
     return str(config.data.get("test_split", "test"))
 
 
-def write_eval(run: run_setup.Run, step: int, result: dict[str, float]) -> pathlib.Path:
-    """``result`` as ``step``'s result file (``workdir.eval_file``; process 0 writes it), with
-    the data source it read when that is not the run's (``run.eval_tag``)."""
-    split = evaluated_split(run.config)
-    path = workdir_lib.eval_file(run.workdir, step, split, run.eval_tag)
-    source = ({"data": workdir_lib.data_source(config_defaults.config_dict(run.config))}
-              if run.eval_tag else {})
-    if run.is_main:
+def write_eval(workdir: pathlib.Path, config: ml_collections.ConfigDict, step: int,
+               result: dict[str, float], tag: str = "") -> pathlib.Path:
+    """``result`` as ``step``'s result file in ``workdir`` (``workdir.eval_file``; process 0
+    writes it), with the data source ``config`` read when that is not the run's (``tag``:
+    ``Run.eval_tag``)."""
+    split = evaluated_split(config)
+    path = workdir_lib.eval_file(workdir, step, split, tag)
+    source = ({"data": workdir_lib.data_source(config_defaults.config_dict(config))}
+              if tag else {})
+    if jax.process_index() == 0:
         with writing(f"the eval result {path}"):
             workdir_lib.write_json(path, {"step": step, "split": split, **source, **result})
     return path
 
 
-def read_eval(run: run_setup.Run, step: int) -> dict[str, float] | None:
+def read_eval(workdir: pathlib.Path, config: ml_collections.ConfigDict, step: int,
+              tag: str = "") -> dict[str, float] | None:
     """The metrics ``write_eval`` saved for ``step`` (None when there is no readable file)."""
-    path = workdir_lib.eval_file(run.workdir, step, evaluated_split(run.config), run.eval_tag)
+    path = workdir_lib.eval_file(workdir, step, evaluated_split(config), tag)
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -1,6 +1,7 @@
 """The processes of a run as one group: JAX's distributed start
 (``maybe_initialize_distributed``), values exchanged between them (``several``, ``gather``,
-``process_0_view``) and the one line for a peer process that is gone (``peer_lost_message``).
+``process_0_view``), a line printed by process 0 (``print_main``) and the one line for a peer
+process that is gone (``peer_lost_message``).
 
 The floor of ``posjax.training``: it imports no other training module, so any of them may use
 it (what the processes must agree on is checked in ``processes``).
@@ -58,6 +59,12 @@ def gather(value: Any) -> list[Any]:
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
+
+
+def print_main(line: str) -> None:
+    """Print ``line`` (flushed) on process 0 only."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def process_0_view(check: Callable[[], Any]) -> Any:

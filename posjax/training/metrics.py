@@ -91,9 +91,20 @@ class MetricWriter:
             self.write(step, split, scalars)
 
     def close(self) -> None:
-        if self._tb is not None:
+        """Close the TensorBoard file (a no-op once closed)."""
+        tb, self._tb = self._tb, None
+        if tb is not None:
             with self._writing():
-                self._tb.close()
+                tb.close()
+
+    def __enter__(self) -> "MetricWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        """Closed when the block ends without an error; after one (a full disk: closing would
+        fail again, over it) the records stay as written, each flushed."""
+        if exc_type is None:
+            self.close()
 
 
 class EventFile:

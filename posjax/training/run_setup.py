@@ -136,11 +136,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                pretrained, tag, identity)
 
 
-def print_main(run: Run, line: str) -> None:
-    if run.is_main:
-        print(line, flush=True)
-
-
 def note_resume(workdir: pathlib.Path, saved: dict[str, Any] | None,
                 config: ml_collections.ConfigDict, changes: list[str]) -> None:
     """Process 0, before a resumed run replaces its ``config.json`` (``saved``): log the keys
