@@ -211,3 +211,56 @@ def test_eval_py_takes_config_eval_step_over_the_saved_config(straight, tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["step"] == 4
     assert (workdir / "checkpoints" / "eval_4_test.json").is_file()
+
+
+def test_the_integrity_record_is_written_off_the_training_thread(tmp_path, monkeypatch):
+    """A save's read-back for the CRC-32s never runs on the training thread: ``wait`` returns
+    (the step committed) while its record is still being written, in another thread; ``close``
+    returns with the record on disk."""
+    import threading
+
+    import grain
+    import jax.numpy as jnp
+
+    began, release, on_main = threading.Event(), threading.Event(), []
+    write_record = integrity.write_record
+
+    def held_record(step_dir):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        began.set()
+        assert release.wait(120)
+        write_record(step_dir)
+
+    monkeypatch.setattr(integrity, "write_record", held_record)
+    checkpointer = ckpt_lib.Checkpointer(tmp_path, 2, 0)
+    data_iter = iter(grain.MapDataset.range(8).to_iter_dataset())
+    assert checkpointer.save(2, {"w": jnp.arange(6.0)}, data_iter)
+    checkpointer.wait()   # committed: the record is begun, not waited for
+    step_dir = tmp_path / "checkpoints" / "2"
+    assert began.wait(120) and on_main == [False]
+    assert not integrity.has_record(step_dir) and integrity.saved_steps(tmp_path) == [2]
+    release.set()
+    checkpointer.close()
+    assert integrity.has_record(step_dir) and integrity.damage(step_dir) is None
+
+
+def test_a_step_without_its_record_is_checked_by_reading_it(straight, tmp_path, caplog):
+    """A process killed between a step's commit and its record leaves the step unrecorded: a
+    resume still reads it (intact: resumed from), and one whose files were cut short is passed
+    over and moved aside, not taken."""
+    config, straight_dir, straight_result = straight
+    workdir = _copy(straight_dir, tmp_path)
+    (workdir / "checkpoints" / "eval_6_test.json").unlink()
+    for step in (4, 6):
+        (workdir / "checkpoints" / str(step) / integrity.RECORD_FILE).unlink()
+    # The arrays' data file the restore reads (state/d/: the per-process OCDBT files under
+    # ocdbt.process_*/ and the _sharding file are not read back; only the record sees them).
+    data = max((workdir / "checkpoints" / "6" / "state" / "d").iterdir(),
+               key=lambda f: f.stat().st_size)
+    _damage_truncate(data)
+    with caplog.at_level(logging.WARNING):
+        result = trainer.train(config, workdir)
+    assert result.start == 4, "the unrecorded, intact step 4 is resumed from"
+    assert [p.name for p in (workdir / "checkpoints").glob("6.damaged-*")], \
+        "the unrecorded step 6, cut short, is found by reading it and moved aside"
+    assert result.eval == pytest.approx(straight_result.eval, abs=1e-6)

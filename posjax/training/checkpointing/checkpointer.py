@@ -7,9 +7,18 @@ iterator state file per process). Saves are asynchronous; ``every_steps`` and ``
 interval and how many are kept. Preemption (SIGTERM) is honoured at the next step boundary:
 single process via a signal flag (``StopRequest``, which a first Ctrl-C sets too),
 multi-process via JAX's preemption sync point, so every process saves the same step.
+
+Each committed step gets its integrity record (``integrity.write_record``: every file read back
+for its CRC-32) on process 0 in a background thread, never on the training thread: the record
+of step s is begun once Orbax has committed s, and waited for before the next save begins (so
+``checkpoint.keep`` never rotates out a step being read) and when the checkpointer closes (so a
+run that ends or is preempted returns with its last step recorded). A process killed between
+a commit and its record leaves the step without one: a resume then checks it by reading it
+(``integrity``), it is not discarded.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import pathlib
@@ -79,6 +88,12 @@ class _EchoesOfFailedSave(checkpoint_io.MentionsPath):
         return super().filter(record) and not _is_storage_error(error)
 
 
+def _write_record(step_dir: pathlib.Path) -> None:
+    """The integrity record of ``step_dir``, unless it has one or is gone (rotated out)."""
+    if step_dir.is_dir() and not integrity.has_record(step_dir):
+        integrity.write_record(step_dir)
+
+
 class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
@@ -101,6 +116,10 @@ class Checkpointer:
                                              item_names=("state", "data_iter"))
         self.stop = stop
         self._pending: int | None = None   # the step of a save begun and not waited for
+        # Process 0's integrity records, one at a time, off the training thread.
+        self._recorder = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="posjax-integrity")
+        self._record: concurrent.futures.Future | None = None   # the record being written
         self._failed = False
         self._quiet = _OrbaxErrorsOnOneLine()
         logging.getLogger("absl").addFilter(self._quiet)
@@ -128,10 +147,12 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved. The
-        save before is waited for first (Orbax would wait too) and given its integrity
-        record."""
-        if self._pending is not None and (force or self.due(step)):
-            self.wait()
+        save before is waited for first (Orbax would wait too), and its integrity record:
+        this save may rotate out older steps (``keep``)."""
+        if force or self.due(step):
+            if self._pending is not None:
+                self.wait()
+            self.wait_for_record()
         with self._storage_failures(step):
             saved = self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -238,24 +259,36 @@ class Checkpointer:
                 f"{self.directory} {fallback}")
 
     def record_integrity(self, step: int | None) -> None:
-        """Process 0: write ``step``'s integrity record once Orbax has committed it."""
-        if step is not None and jax.process_index() == 0 and not self._failed:
-            path = self.directory / str(step)
-            if path.is_dir() and not integrity.has_record(path):
-                integrity.write_record(path)
+        """Process 0: begin writing ``step``'s integrity record (Orbax has committed it) in
+        the background; the record before is waited for first."""
+        if step is None or jax.process_index() != 0 or self._failed:
+            return
+        self.wait_for_record()
+        self._record = self._recorder.submit(_write_record, self.directory / str(step))
+
+    def wait_for_record(self) -> None:
+        """Until the integrity record begun last is written (or skipped: see
+        ``integrity.write_record``)."""
+        record, self._record = self._record, None
+        if record is not None:
+            record.result()
 
     def wait(self) -> None:
+        """Until the save begun last is committed; its integrity record is begun."""
         with self._storage_failures(None):
             self.manager.wait_until_finished()
         self.record_integrity(self._pending)
         self._pending = None   # on disk
 
     def close(self) -> None:
-        """Wait for the last save and close; after a ``SaveFailed``, only close (quietly)."""
+        """Wait for the last save and its integrity record, and close; after a ``SaveFailed``,
+        only close (quietly)."""
         try:
             if not self._failed:
                 self.wait()
+            self.wait_for_record()   # the last step's record lands before the run returns
         finally:
+            self._recorder.shutdown()
             try:
                 self.manager.close()
             except Exception:   # noqa: BLE001 -- the failure was raised once already
