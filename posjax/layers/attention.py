@@ -219,6 +219,19 @@ def mixed_logits(word: Array, positions: Array, scale: float, word_is_query: boo
                                       batch_first=True)
 
 
+def attend_and_project(module: nn.Module, logits: Array, mask: Array | None, value: Array,
+                       dropout_rate: float, train: bool, width: int, dtype: jnp.dtype) -> Array:
+    """The end of every attention layer: softmax(logits, mask) (sown into ``module``'s
+    'intermediates' as 'attention_weights', (B, h, Lq, Lk), for plots), attention dropout,
+    the weighted sum of ``value`` (B, Lk, h, d) and the output projection 'out' -> (B, Lq,
+    width). Called inside ``module``'s compact ``__call__``."""
+    weights = attention_weights(logits, mask)
+    module.sow("intermediates", "attention_weights", weights)
+    weights = Dropout(dropout_rate)(weights, deterministic=not train)
+    out = combine_heads(weights, value, dtype)
+    return dense(width, ("heads", "kv", "embed"), name="out", dtype=dtype, axis=(-2, -1))(out)
+
+
 class MultiHeadAttention(nn.Module):
     """softmax(q·k * logit_scale + bias, mask) v, then the output projection.
 
@@ -297,12 +310,8 @@ class MultiHeadAttention(nn.Module):
             logits = add_shared_bias(logits, bias.astype(jnp.float32))
         elif bias is not None:
             logits = logits + bias.astype(jnp.float32)
-        weights = attention_weights(logits, mask)
-        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
-        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
-        out = combine_heads(weights, v, self.dtype)
-        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
-                     axis=(-2, -1))(out)
+        return attend_and_project(self, logits, mask, v, self.attention_dropout_rate, train,
+                                  x_q.shape[-1], self.dtype)
 
 
 class Mlp(nn.Module):

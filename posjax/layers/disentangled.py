@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.layers import blocked, logit_terms, positions
-from posjax.layers.attention import (attention_weights, check_attention_inputs, combine_heads,
-                                    content_logits, dense)
+from posjax.layers.attention import (attend_and_project, check_attention_inputs, content_logits,
+                                    dense)
 from posjax.layers.dropout import Dropout
 
 Array = jax.Array
@@ -277,16 +277,12 @@ class DisentangledAttention(nn.Module):
             index = self.relative_index(x_q.shape[1], num_keys, query_positions)
             logits = self._gathered_logits(logits, q, k, pos_key, pos_query, rel_table, index,
                                            scale)
-        weights = attention_weights(logits, mask)
-        self.sow("intermediates", "attention_weights", weights)   # (B, h, Lq, Lk), for plots
-        weights = Dropout(self.attention_dropout_rate)(weights, deterministic=not train)
-        out = combine_heads(weights, v, self.dtype)
-        return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
-                     axis=(-2, -1))(out)
+        return attend_and_project(self, logits, mask, v, self.attention_dropout_rate, train,
+                                  x_q.shape[-1], self.dtype)
 
     def _gathered_logits(self, logits: Array, q: Array, k: Array, pos_key: nn.Module | None,
-                         pos_query: nn.Module | None, rel_table: Array, index: tuple[Array | np.ndarray, ...],
-                         scale: float) -> Array:
+                         pos_query: nn.Module | None, rel_table: Array,
+                         index: tuple[Array | np.ndarray, ...], scale: float) -> Array:
         """logits + (c2p + p2c)·scale by gathers at the per-pair ``index`` (grids, explicit
         query positions, ``take``/``onehot``)."""
         if pos_key is not None:
