@@ -402,3 +402,19 @@ def test_study_overrides_from_the_command_line():
     assert study.title == "paper scale"
     with pytest.raises(StudyConfigError, match="no key 'sedes'"):
         apply_overrides(study, ["--config.sedes=3"])
+
+
+def test_beyond_nope_verdicts_need_two_paired_seeds():
+    """An entry with fewer than two seeds paired with NoPE is undecidable (no test, no part in
+    Holm); one clearly below NoPE helps, one clearly above is worse."""
+    def paired(mean, n, low, high):
+        return {"nope": {"loss": {"mean": mean, "se": 0.01, "n": n, "low": low, "high": high}}}
+
+    rep = {"paired": {"good": paired(-1.0, 5, -1.03, -0.97), "bad": paired(0.5, 5, 0.47, 0.53),
+                      "one": paired(-1.0, 1, float("nan"), float("nan")),
+                      "none": paired(float("nan"), 0, float("nan"), float("nan"))}}
+    verdicts = report._floor_verdicts(rep, "loss", "nope", "lower")
+    assert verdicts["good"]["verdict"] == "helps beyond NoPE"
+    assert verdicts["bad"]["verdict"] == "worse than NoPE"
+    assert verdicts["one"]["verdict"] == "undecidable: 1 paired seed (a test needs 2)"
+    assert verdicts["none"]["verdict"] == "undecidable: 0 paired seeds (a test needs 2)"

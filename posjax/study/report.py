@@ -518,8 +518,10 @@ def _floor_verdicts(rep: dict[str, Any], m: str, floor: str, better: str) -> dic
     for name, a in adjusted.items():
         d = rep["paired"][name][floor][m]
         worse = d["n"] >= 2 and (d["low"] > 0 if sign < 0 else d["high"] < 0)
-        out[name] = {**a, "verdict": "helps beyond NoPE" if a["rejected"] else
-                     "worse than NoPE" if worse else "not shown beyond NoPE"}
+        out[name] = {**a, "verdict": (
+            f"undecidable: {d['n']} paired seed{'s' * (d['n'] != 1)} (a test needs 2)"
+            if d["n"] < 2 else "helps beyond NoPE" if a["rejected"] else
+            "worse than NoPE" if worse else "not shown beyond NoPE")}
     return out
 
 
