@@ -88,12 +88,6 @@ class _EchoesOfFailedSave(checkpoint_io.MentionsPath):
         return super().filter(record) and not _is_storage_error(error)
 
 
-def _write_record(step_dir: pathlib.Path) -> None:
-    """The integrity record of ``step_dir``, unless it has one or is gone (rotated out)."""
-    if step_dir.is_dir() and not integrity.has_record(step_dir):
-        integrity.write_record(step_dir)
-
-
 class Checkpointer:
     """Orbax CheckpointManager over ``<workdir>/checkpoints``; ``create``: for a training run
     (else an evaluation); ``stop``: the run's ``StopRequest`` (single process), read by
@@ -264,7 +258,7 @@ class Checkpointer:
         if step is None or jax.process_index() != 0 or self._failed:
             return
         self.wait_for_record()
-        self._record = self._recorder.submit(_write_record, self.directory / str(step))
+        self._record = self._recorder.submit(integrity.record_once, self.directory / str(step))
 
     def wait_for_record(self) -> None:
         """Until the integrity record begun last is written (or skipped: see

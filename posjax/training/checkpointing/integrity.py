@@ -79,6 +79,12 @@ def write_record(step_dir: pathlib.Path) -> None:
             temporary.unlink(missing_ok=True)
 
 
+def record_once(step_dir: pathlib.Path) -> None:
+    """``write_record`` unless ``step_dir`` has a record or is gone (rotated out)."""
+    if step_dir.is_dir() and not has_record(step_dir):
+        write_record(step_dir)
+
+
 def has_record(step_dir: pathlib.Path) -> bool:
     return (step_dir / RECORD_FILE).is_file()
 
