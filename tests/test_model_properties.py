@@ -20,7 +20,6 @@ from model_inputs import abstract_variables, max_abs_error, padded_text_batch, r
 from posjax import (TextConfig, TextEncoder, TextForMaskedLM, TextForSequenceClassification,
                     ViT, ViTConfig)
 from posjax.layers import attention as attention_lib
-from posjax.layers import disentangled as disentangled_lib
 from posjax.layers.attention import MultiHeadAttention
 from posjax.layers.position_bias import T5RelativeBias, TupePositionBias
 
@@ -186,7 +185,6 @@ def test_masked_keys_get_zero_weight(scheme, monkeypatch):
 
     attention_weights = attention_lib.attention_weights
     monkeypatch.setattr(attention_lib, "attention_weights", recording_weights)
-    monkeypatch.setattr(disentangled_lib, "attention_weights", recording_weights)
     tokens = batch()
     decode = np.tile(np.arange(3, dtype=np.int32), (len(LENGTHS), 1))
     logits = TextForMaskedLM(cfg).apply(params, **tokens, masked_positions=decode)
