@@ -587,15 +587,19 @@ def test_a_damaged_checkpoint_is_named_with_the_way_out(runs, tmp_path, caplog, 
     assert [str(u.exc_value) for u in unraisable] == []
 
 
-def test_a_resume_with_another_process_count_is_refused_up_front(runs, tmp_path):
+def test_a_resume_from_processes_with_different_positions_is_refused(runs, tmp_path):
+    """Saved by '2 processes' whose input positions differ: resuming on 1 is refused naming
+    the process count to use (same positions resume: tests/test_elastic_resume.py)."""
     config, straight, _, _ = runs
     workdir = _copy_run(straight, tmp_path)
     last = workdir / "checkpoints" / str(integrity.saved_steps(workdir)[-1])
     (last / "data_iter" / "process_0-of-1.json").rename(last / "data_iter" / "process_0-of-2.json")
     (last / "data_iter" / "process_1-of-2.json").write_text("{}")
-    with pytest.raises(ValueError, match=rf"checkpoint {last} holds input-iterator states for 2 "
-                                         r"processes, not the current 1: resume with the same "
-                                         r"process count"):
+    (last / "integrity.json").unlink(missing_ok=True)   # the files changed on purpose
+    with pytest.raises(ValueError, match=rf"checkpoint {last} holds a different input position "
+                                         r"for each of the 2 processes that saved it, not one "
+                                         r"global position: resume it with 2 processes \(this "
+                                         r"run has 1\)"):
         trainer.train(config, workdir)
 
 

@@ -3,8 +3,9 @@ one Orbax step directory.
 
 ``<workdir>/checkpoints/<step>/state`` (sharded arrays, restorable onto any mesh: the restore
 target carries the new shardings) and ``<workdir>/checkpoints/<step>/data_iter`` (one Grain
-iterator state file per process). Saves are asynchronous; ``every_steps`` and ``keep`` set the
-interval and how many are kept. Preemption (SIGTERM) is honoured at the next step boundary:
+iterator state file per process; a step saved by another number of processes resumes at
+their one global input position, ``input_position``). Saves are asynchronous; ``every_steps``
+and ``keep`` set the interval and how many are kept. Preemption (SIGTERM) is honoured at the next step boundary:
 single process via a signal flag (``StopRequest``, which a first Ctrl-C sets too),
 multi-process via JAX's preemption sync point, so every process saves the same step.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import pathlib
 import re
@@ -36,7 +38,7 @@ from jax.experimental import multihost_utils
 from posjax import checkpoint_io
 from posjax.io_utils import SaveFailed
 from posjax.training import hosts
-from posjax.training.checkpointing import integrity
+from posjax.training.checkpointing import input_position, integrity
 
 if TYPE_CHECKING:
     from posjax.training.stop_request import StopRequest
@@ -213,21 +215,15 @@ class Checkpointer:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
         is set to the saved position in place. A step that does not match its integrity
         record, holds another tree or cannot be read raises ``DamagedStep``."""
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
-        if data_iter is not None:
-            items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
         path = self.directory / str(step)
-        if data_iter is not None:
-            counts = {f.stem.rsplit("-of-", 1)[-1]
-                      for f in (path / "data_iter").glob("process_*-of-*.json")}
-            if counts and str(jax.process_count()) not in counts:
-                raise ValueError(
-                    f"checkpoint {path} holds input-iterator states for {', '.join(counts)} "
-                    f"processes, not the current {jax.process_count()}: resume with the same "
-                    "process count")
         if found := hosts.process_0_view(lambda: integrity.damage(path)):
             raise DamagedStep(step, found[0], f"checkpoint {path} cannot be restored "
                               f"({found[1]}). {self._way_out(step)}")
+        position = (None if data_iter is None else
+                    input_position.saved_by_others(path, jax.process_count()))
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iter is not None and position is None:
+            items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
         # Before reading any array: a restore that fails on the tree leaves reads in flight.
         if differences := checkpoint_io.param_differences(path / "state", abstract_state.params):
             raise DamagedStep(step, "wrong-tree",
@@ -238,6 +234,9 @@ class Checkpointer:
         try:
             with checkpoint_io.failures_reported_once(path):
                 restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+                if position is not None:   # saved by another process count: the one position
+                    data_iter.set_state(json.loads(position))
+                    data_iter.start_prefetch()
         except Exception as e:   # noqa: BLE001 (Orbax and TensorStore raise plain Exception)
             raise DamagedStep(step, "unreadable",
                 f"checkpoint {path} cannot be restored ({checkpoint_io.root_cause(e)}). "
