@@ -63,6 +63,9 @@ def default_config() -> ml_collections.ConfigDict:
         "distributed": {"enabled": False, "coordinator_address": "", "num_processes": 0,
                         "process_id": -1,
                         "peer_timeout_s": 120},   # a process silent this long: all stop
+        # The GCE maintenance-event notice (Cloud TPU VMs): polled, it stops the run as a
+        # SIGTERM does. "auto": poll when the JAX backend is TPU; "on"; "off".
+        "preemption": {"poll_maintenance_event": "auto", "poll_seconds": 5.0},
         "model": {},
         "data": {},
     })

@@ -15,7 +15,7 @@ import ml_collections
 from posjax import config_defaults
 from posjax.models.config import check
 from posjax.models import params as params_lib
-from posjax.training import optim, profiler
+from posjax.training import optim, profiler, stop_request
 from posjax.training.tasks import make_task
 
 
@@ -26,10 +26,11 @@ from posjax.training.tasks import make_task
 # relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
 # data_root only seeds the recipes' data paths, which are compared themselves. eval_step only
-# says which saved step eval.py reads (train.py refuses it: run_setup.prepare).
+# says which saved step eval.py reads (train.py refuses it: run_setup.prepare). preemption only
+# says how a coming stop is noticed (the GCE maintenance event).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
                     "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather",
-                    "profile", "data_root", "eval_step")
+                    "profile", "data_root", "eval_step", "preemption")
 
 
 # Keys a resumed run may change besides OPERATIONAL_KEYS: its length (a decaying learning-rate
@@ -56,12 +57,12 @@ DATA_SOURCE_KEYS = ("data.path", "data.data_dir", "data.glue_dir", "data.text_fi
 
 
 def check_known_keys(config: ml_collections.ConfigDict) -> None:
-    """Every key (top level, optimizer, checkpoint, profile, distributed) must be one
-    config_defaults.default_config defines: a misspelt key in a config file would otherwise be
-    ignored silently."""
+    """Every key (top level, optimizer, checkpoint, profile, distributed, preemption) must be
+    one config_defaults.default_config defines: a misspelt key in a config file would
+    otherwise be ignored silently."""
     defaults = config_defaults.default_config()
     problems = [f"{k!r}" for k in sorted(set(config) - set(defaults))]
-    for group in ("optimizer", "checkpoint", "profile", "distributed"):
+    for group in ("optimizer", "checkpoint", "profile", "distributed", "preemption"):
         if group in config:
             extra = sorted(set(config[group]) - set(defaults[group]))
             problems += [f"'{group}.{k}'" for k in extra]
@@ -89,6 +90,7 @@ def validate_training_config(config: ml_collections.ConfigDict) -> None:
           "must be a finite number >= 0 (0 = default)")
     optim.validate(config.optimizer, config.num_steps)
     profiler.validate(config.profile, config.num_steps)
+    stop_request.validate(config.get("preemption") or {})
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     """
     with contextlib.ExitStack() as stack:
         # From the start: a SIGTERM during set-up is no crash.
-        stop = stack.enter_context(stop_request.StopRequest())
+        stop = stack.enter_context(stop_request.StopRequest(config.get("preemption")))
         run, pipe, test = _validate(config, workdir)
         # Closing stops the input workers and frees the batches they had prefetched.
         iterator = stack.enter_context(contextlib.closing(pipe.iterator))
