@@ -48,7 +48,8 @@ with ``@register_task``, and implement:
     with the last batch padded, ``mask`` False), ``.dataset`` (the grain IterDataset behind it:
     ``iter(dataset)`` is a fresh pass, as a closable grain iterator; training evaluates the
     test split that way, opened once), ``.num_examples`` and ``.num_batches`` (eval: batches
-    per process, for the progress line's ETA; None or absent: unknown).
+    per process, for the progress line's ETA; None or absent: unknown). Train: the state is
+    one global position, equal on every shard (``checkpointing.input_position``).
 ``train_flops() -> flops.Flops``
     Analytic forward+backward model FLOPs (for MFU), see ``posjax.models.flops``: per
     example, plus the per-step work on shared position tables; a step of B examples costs
