@@ -180,12 +180,36 @@ class Disentangled:
     def block_logits(self, ctx: BlockContext) -> Array:
         by_offset = positions.deberta_offset_rows(self.span, self.bucket_size,
                                                   self.max_position, ctx.lq_pad, ctx.lk_pad)
-        window = positions.offset_window(by_offset, ctx.qpos[0], ctx.kpos[0],
-                                         ctx.qpos.shape[0], ctx.kpos.shape[0], ctx.lk_pad)
-        c2p, p2c = logit_terms.disentangled_logits(ctx.q, ctx.k, self.rel_key, self.rel_query,
-                                                   window)
-        total = c2p if p2c is None else p2c if c2p is None else c2p + p2c
-        return total * self.scale
+        bq, bk = ctx.qpos.shape[0], ctx.kpos.shape[0]
+
+        def band() -> Array:   # the block's offsets pick several rows: the skewed products
+            window = positions.offset_window(by_offset, ctx.qpos[0], ctx.kpos[0], bq, bk,
+                                             ctx.lk_pad)
+            c2p, p2c = logit_terms.disentangled_logits(ctx.q, ctx.k, self.rel_key,
+                                                       self.rel_query, window)
+            return c2p if p2c is None else p2c if c2p is None else c2p + p2c
+
+        # Offsets r = i − j at or below r_low all take δ's first row, at or above r_high its
+        # last (the clamp): a block whose W offsets all lie there uses one row δ*, and its
+        # terms are a column plus a row, c2p[a, c] = Q_c[a]·K_r[δ*], p2c[a, c] = K_c[c]·Q_r[δ*]
+        # (O((bq + bk)·d), not O((bq + bk)·W·d)). Static thresholds, a traced choice.
+        r_low, r_high = positions.clamped_offsets(by_offset, ctx.lk_pad)
+        r_first = ctx.qpos[0] - ctx.kpos[0] - (bk - 1)
+        r_last = ctx.qpos[0] - ctx.kpos[0] + (bq - 1)
+
+        def far() -> Array:
+            row = jnp.where(r_first >= r_high, by_offset[-1], by_offset[0])
+            total = jnp.zeros((ctx.q.shape[1], ctx.q.shape[2], bq, bk), jnp.float32)
+            if self.rel_key is not None:
+                total = total + jnp.einsum("qbhd,hd->bhq", ctx.q, self.rel_key[row],
+                                           preferred_element_type=jnp.float32)[..., None]
+            if self.rel_query is not None:
+                total = total + jnp.einsum("kbhd,hd->bhk", ctx.k, self.rel_query[row],
+                                           preferred_element_type=jnp.float32)[..., None, :]
+            return total
+
+        outside = (r_last <= r_low) | (r_first >= r_high)
+        return jax.lax.cond(outside, far, band) * self.scale
 
 
 @struct.dataclass

@@ -177,6 +177,17 @@ def deberta_offset_rows(span: int, bucket_size: int, max_position: int, num_quer
                                   max_position=max_position)[:, 0]
 
 
+def clamped_offsets(by_offset: np.ndarray, num_keys: int) -> tuple[int, int]:
+    """(r_low, r_high): every offset r ≤ r_low has ``by_offset``'s first row and every r ≥
+    r_high its last (δ's clamp to the table), for ``deberta_offset_rows`` of ``num_keys``
+    keys (index r + num_keys − 1). Static."""
+    n = len(by_offset)
+    differ_first, differ_last = by_offset != by_offset[0], by_offset != by_offset[-1]
+    low = int(np.argmax(differ_first)) - 1 if differ_first.any() else n - 1
+    high = n - int(np.argmax(differ_last[::-1])) if differ_last.any() else 0
+    return low - (num_keys - 1), high - (num_keys - 1)
+
+
 def offset_window(by_offset: np.ndarray, first_query: int | Index, first_key: int | Index,
                   num_queries: int, num_keys: int, total_keys: int) -> Index:
     """The rows of ``by_offset`` (``deberta_offset_rows`` for ``total_keys`` keys) for the
