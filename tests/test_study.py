@@ -177,6 +177,24 @@ def test_convergence_pairs_each_seed_with_its_baseline(tmp_path):
         conv["fast"]["ratio"])
 
 
+def test_layout_scores_tell_a_2d_table_from_one_without_layout():
+    """A table whose rows are a smooth function of (row, col) has neighbours alike (ρ well
+    below 0, every nearest patch a neighbour); its rows shuffled have no layout."""
+    from posjax.study import analysis
+    g = 8
+    rows, cols = np.divmod(np.arange(g * g), g)
+    freqs = np.linspace(0.2, 1.0, 8)
+    table = np.concatenate([np.sin(rows[:, None] * freqs), np.cos(rows[:, None] * freqs),
+                            np.sin(cols[:, None] * freqs), np.cos(cols[:, None] * freqs)], 1)
+    smooth = analysis.layout_scores(analysis.vit_similarity(table[None], (g, g), 0))
+    assert smooth["distance_correlation"] < -0.5 and smooth["nearest_is_neighbour"] == 1.0
+    shuffled = table[np.random.default_rng(0).permutation(g * g)]
+    none = analysis.layout_scores(analysis.vit_similarity(shuffled[None], (g, g), 0))
+    assert abs(none["distance_correlation"]) < 0.1 and none["nearest_is_neighbour"] < 0.4
+    assert none["by_chance"] == smooth["by_chance"] == pytest.approx(
+        (4 * 3 + 4 * (g - 2) * 5 + (g - 2) ** 2 * 8) / (g * g) / (g * g - 1))
+
+
 def test_synthetic_tasks_are_deterministic_and_positional():
     data = synthetic.default_data_config("shift", 12)
     a = synthetic.make_batch(data, 3, 0, 5, 4)
@@ -389,6 +407,8 @@ def test_tiny_studies_end_to_end(tmp_path, shared_data):
     assert {"main", "ft56", "ft28"} <= set(rec["configs"])
     assert "position_similarity_vit.png" in rep["figures"]
     assert (vit / "position_similarity_vit.png").stat().st_size > 0
+    assert set(rep["layout"]["vit"]) == {"vit-s1", "vit-s2"}
+    assert "## Is the learned table two-dimensional?" in (vit / "report.md").read_text()
     assert any("nope" in c["measured"] for c in rep["claims"])
 
 

@@ -85,6 +85,28 @@ def vit_similarity(table: np.ndarray, grid: tuple[int, int], prefix: int) -> np.
     return (rows @ rows.T).reshape(*grid, *grid)
 
 
+def layout_scores(similarity: np.ndarray) -> dict[str, float]:
+    """How two-dimensional a learned table's layout is, from its (gh, gw, gh, gw) similarities
+    (``vit_similarity``): ``distance_correlation``, Spearman's ρ between the similarity and
+    the grid distance of every pair of patches (−1: similarity falls with distance; 0: no
+    layout, as for the rows in random order); ``nearest_is_neighbour``, the share of patches
+    whose most similar other patch is one of its 8 grid neighbours, and ``by_chance``, that
+    share for a random other patch."""
+    from scipy import stats
+
+    gh, gw = np.shape(similarity)[:2]
+    sim = np.asarray(similarity, np.float64).reshape(gh * gw, gh * gw)
+    rows, cols = np.divmod(np.arange(gh * gw), gw)
+    dist = np.hypot(rows[:, None] - rows[None], cols[:, None] - cols[None])
+    pairs = np.triu_indices(gh * gw, 1)
+    neighbour = (dist > 0) & (dist < 1.5)
+    others = np.where(np.eye(gh * gw, dtype=bool), -np.inf, sim)
+    nearest = np.argmax(others, axis=1)
+    return {"distance_correlation": float(stats.spearmanr(sim[pairs], dist[pairs]).statistic),
+            "nearest_is_neighbour": float(np.mean(neighbour[np.arange(gh * gw), nearest])),
+            "by_chance": float(np.mean(neighbour.sum(1) / (gh * gw - 1)))}
+
+
 # Parameter names that hold positional information (tables, relative biases and embeddings,
 # TUPE's positional projections, DeBERTa's position projections, BERT-A-d's cross terms).
 POSITIONAL = ("position_embeddings", "rel_bias", "rel_embeddings", "rel_norm", "tupe_bias",

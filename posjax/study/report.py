@@ -16,6 +16,7 @@ import numpy as np
 
 from posjax.study import cost as cost_lib
 from posjax.study import stats
+from posjax.study import analysis
 from posjax.study.analysis import HEAD_RULE
 
 VERDICTS = ("reproduced", "contradicted", "effect smaller than the paper's (excluded)",
@@ -688,8 +689,12 @@ def _figures(root: pathlib.Path, groups: dict[str, list[dict[str, Any]]], rep: d
                     data["tupe_maps"], labels, f"{r['name']}: positional attention per head "
                     f"(rule: {HEAD_RULE})", root / f"tupe_heads_{r['name']}.png").name)
             if "vit_similarity" in data:
-                rep["figures"].append(plot_similarity(
-                    data["vit_similarity"], root / f"position_similarity_{r['name']}.png").name)
+                rep.setdefault("layout", {}).setdefault(r["name"], {})[r["cell"]] = \
+                    analysis.layout_scores(data["vit_similarity"])
+                if r["seed"] == min(x["seed"] for x in ok(rs)):   # one map per entry
+                    rep["figures"].append(plot_similarity(
+                        data["vit_similarity"],
+                        root / f"position_similarity_{r['name']}.png").name)
 
 
 def _interval(p: dict[str, Any]) -> str:
@@ -803,6 +808,17 @@ def markdown(manifest: dict[str, Any], rep: dict[str, Any]) -> str:
         for name, v in rep["transfer"].items():
             lines.append(f"| {name} | " + " | ".join(fmt(v[c]) if c in v else "—"
                                                      for c in cols) + " |")
+    if rep.get("layout"):
+        lines += ["", "## Is the learned table two-dimensional? (similarity maps)", "",
+                  "Per seed: Spearman's ρ between the cosine similarity of two patches' "
+                  "position rows and their grid distance (−1: neighbours alike, 0: no layout), "
+                  "and the share of patches whose most similar patch is a grid neighbour "
+                  "(chance in brackets).", "", "| cell | ρ(similarity, distance) | nearest "
+                  "is a neighbour |", "|---|---|---|"]
+        for cells in rep["layout"].values():
+            for cell, v in sorted(cells.items()):
+                lines.append(f"| {cell} | {v['distance_correlation']:+.3f} | "
+                             f"{v['nearest_is_neighbour']:.2f} ({v['by_chance']:.2f}) |")
     if rep.get("head_labels"):
         lines += ["", "## TUPE positional heads", "", f"Rule: {HEAD_RULE}.", ""]
         for name, labels in rep["head_labels"].items():
