@@ -310,6 +310,22 @@ def blocked_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
 
     Memory: O((Lq + Lk)·B·h·d) plus O(B·h·block_q·block_k) per block, forward and backward.
     """
+    plan, blocked = prepare(q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                            block_q=block_q, block_k=block_k, block_terms=block_terms,
+                            dropout_rate=dropout_rate)
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng")
+    rng = dropout_rng if dropout_rate > 0.0 else None
+    return unblock(_flash(plan, *blocked, rng), q.shape[1], v.dtype)
+
+
+def prepare(q: Array, k: Array, v: Array, *, key_mask: Array | None, query_mask: Array | None,
+            scale: float, block_q: int, block_k: int, block_terms: BlockTerms | None,
+            dropout_rate: float = 0.0) -> tuple[_Plan, tuple[Any, ...]]:
+    """``blocked_attention``'s checks and block layout, shared with the Pallas kernel
+    (``posjax.kernels.flash``): (the static plan, (qr, kr, vb, shared, km, qm)) — q, k and the
+    terms' row inputs rows first in blocks, (count, size, [B,] …); the terms' shared tables;
+    the masks (count, B|1, size)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[0] != k.shape[0] \
             or k.shape[:3] != v.shape[:3] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be (B, Lq, h, d), "
@@ -325,8 +341,6 @@ def blocked_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
             raise ValueError(f"{name} {tuple(m.shape)} must be (B or 1, {n}) bool")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={dropout_rate!r} is outside [0, 1)")
-    if dropout_rate > 0.0 and dropout_rng is None:
-        raise ValueError("dropout_rate > 0 needs dropout_rng")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q={block_q}, block_k={block_k} must be positive")
     bq, bk = min(block_q, lq), min(block_k, lk)
@@ -357,10 +371,14 @@ def blocked_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
 
     km = mask_blocks(key_mask, lk, bk, nk)
     qm = mask_blocks(query_mask, lq, bq, nq)
-    rng = dropout_rng if dropout_rate > 0.0 else None
-    out = _flash(plan, qr, kr, vb, shared, km, qm, rng)        # (nq, B, h, bq, dv)
-    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, nq * bq, heads, v.shape[-1])
-    return out[:, :lq].astype(v.dtype)
+    return plan, (qr, kr, vb, shared, km, qm)
+
+
+def unblock(out: Array, length: int, dtype: Any) -> Array:
+    """(nq, B, h, bq, dv) per query block -> (B, length, h, dv) in ``dtype``."""
+    nq, batch, heads, bq, dv = out.shape
+    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, nq * bq, heads, dv)
+    return out[:, :length].astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
