@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posjax import kernels
 from posjax.layers import blocked, logit_terms
 from posjax.layers.dropout import Dropout
 
@@ -260,6 +261,7 @@ class MultiHeadAttention(nn.Module):
     attention_dropout_rate: float = 0.0
     qkv_bias: bool = True
     block_size: int = 0   # > 0: memory-bounded blocks (posjax.layers.blocked.layer_attention)
+    kernel: str = "blocked"   # what runs the blocks (posjax.kernels.attention_fn)
 
     @nn.compact
     def __call__(self, x_q: Array, x_kv: Array, *, mask: Array | None = None,
@@ -293,7 +295,8 @@ class MultiHeadAttention(nn.Module):
             out = blocked.layer_attention(
                 self, q, k, v, block_size=self.block_size, scale=self.logit_scale, mask=mask,
                 bias=bias, block_terms=block_terms, mixed=mixed,
-                dropout_rate=self.attention_dropout_rate if train else 0.0)
+                dropout_rate=self.attention_dropout_rate if train else 0.0,
+                attention_fn=kernels.attention_fn(self.kernel))
             return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                          axis=(-2, -1))(out)
         if block_terms is not None and block_terms.needs_positions():

@@ -515,7 +515,8 @@ def layer_attention(module: Any, q: Array, k: Array, v: Array, *, block_size: in
                     scale: float, mask: Array | None = None, query_mask: Array | None = None,
                     bias: Array | None = None, block_terms: BlockTerms | None = None,
                     mixed: tuple[Array, Array, Array, Array] | None = None,
-                    dropout_rate: float = 0.0) -> Array:
+                    dropout_rate: float = 0.0,
+                    attention_fn: Any = blocked_attention) -> Array:
     """The blocked path of ``MultiHeadAttention`` / ``DisentangledAttention`` (``block_size``
     > 0): projected q (B, Lq, h, d), k, v (B, Lk, h, d) -> combined heads (B, Lq, h, d),
     before the output projection.
@@ -525,6 +526,8 @@ def layer_attention(module: Any, q: Array, k: Array, v: Array, *, block_size: in
     terms come un-materialised as ``block_terms`` (``T5RelativeBias.block_terms``,
     ``TupePositionBias.block_terms``). ``mixed``: BERT-A-d's (x W̃_Q, P Ũ_K, P Ũ_Q, x W̃_K),
     two ``Product`` terms at ``scale``. Attention dropout draws 'dropout' rngs from ``module``.
+    ``attention_fn`` runs it: ``blocked_attention`` or the Pallas kernel
+    (``posjax.kernels.attention_fn``).
     """
     if bias is not None:
         raise ValueError("with block_size > 0 give the shared position terms as block_terms "
@@ -542,6 +545,6 @@ def layer_attention(module: Any, q: Array, k: Array, v: Array, *, block_size: in
         terms = terms.with_products(Product(word_q, pos_k, scale=scale),
                                     Product(pos_q, word_k, scale=scale))
     rng = module.make_rng("dropout") if dropout_rate > 0.0 else None
-    return blocked_attention(q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale,
-                             block_q=block_size, block_k=block_size, block_terms=terms,
-                             dropout_rate=dropout_rate, dropout_rng=rng)
+    return attention_fn(q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale,
+                        block_q=block_size, block_k=block_size, block_terms=terms,
+                        dropout_rate=dropout_rate, dropout_rng=rng)

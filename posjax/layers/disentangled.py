@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax import kernels
 from posjax.layers import blocked, logit_terms, positions
 from posjax.layers.attention import (attend_and_project, check_attention_inputs, content_logits,
                                     dense)
@@ -169,6 +170,7 @@ class DisentangledAttention(nn.Module):
     attention_dropout_rate: float = 0.0
     dropout_rate: float = 0.0
     block_size: int = 0   # > 0: memory-bounded blocks (posjax.layers.blocked.layer_attention)
+    kernel: str = "blocked"   # what runs the blocks (posjax.kernels.attention_fn)
 
     def relative_index(self, num_queries: int, num_keys: int,
                        query_positions: Array | None) -> tuple[Array | np.ndarray, ...]:
@@ -254,7 +256,8 @@ class DisentangledAttention(nn.Module):
             out = blocked.layer_attention(
                 self, q, k, v, block_size=self.block_size, scale=scale, mask=mask,
                 query_mask=query_mask, block_terms=blocked.BlockTerms(disentangled=rel),
-                dropout_rate=self.attention_dropout_rate if train else 0.0)
+                dropout_rate=self.attention_dropout_rate if train else 0.0,
+                attention_fn=kernels.attention_fn(self.kernel))
             return dense(x_q.shape[-1], ("heads", "kv", "embed"), name="out", dtype=self.dtype,
                          axis=(-2, -1))(out)
         if query_mask is not None:   # (B, Lq): as on the blocked path, masked rows get zeros

@@ -21,6 +21,12 @@ GATHERS = ("take", "onehot", "shift", "skew")
 # How eval.py extends a checkpoint's absolute position table to a longer data.max_seq_length
 # (TextConfig.extend_positions): '' refuses; 'interpolate' resamples its rows linearly.
 EXTEND_POSITIONS = ("", "interpolate")
+# Which attention path runs (attention_impl): 'auto' — the plain XLA path below
+# blocked_attention_from tokens and the memory-bounded path from there, run by the Pallas kernel
+# on a TPU when attention dropout is off, else by the plain-JAX scan (posjax.layers.blocked);
+# 'xla' — always the plain path (the L × L logits); 'blocked' — always the scan; 'pallas' —
+# always the Pallas kernel (posjax.kernels; TPU, or any backend with pallas_interpret).
+ATTENTION_IMPLS = ("auto", "xla", "blocked", "pallas")
 
 
 def check(ok: bool, message: str) -> None:
@@ -89,6 +95,7 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
     _check(c.blocked_attention_from >= 0, "blocked_attention_from", c.blocked_attention_from,
            "must be >= 0 (0: never block attention)")
     scheme = SCHEMES[c.position_scheme]
+    _check_attention_impl(c, grid_deberta=isinstance(c, ViTConfig) and scheme.disentangled)
     if scheme.rotary:
         axes = 2 if isinstance(c, ViTConfig) else 1
         _check(c.head_dim % (2 * axes) == 0, "hidden_size", c.hidden_size,
@@ -130,6 +137,24 @@ def _check_common(c: "TextConfig | ViTConfig", schemes: tuple[str, ...]) -> None
                c.relative_buckets, "must be an even number >= 4")
         _check(c.relative_max_distance > c.relative_buckets // 4, "relative_max_distance",
                c.relative_max_distance, f"must exceed relative_buckets/4={c.relative_buckets // 4}")
+
+
+def _check_attention_impl(c: "TextConfig | ViTConfig", grid_deberta: bool) -> None:
+    _check(c.attention_impl in ATTENTION_IMPLS, "attention_impl", c.attention_impl,
+           f"choose one of {', '.join(ATTENTION_IMPLS)}")
+    if c.attention_impl in ("blocked", "pallas"):
+        _check(not grid_deberta, "attention_impl", c.attention_impl, "DeBERTa's 2D relative "
+               "terms on a patch grid have no blocked form: use 'auto' or 'xla'")
+    if c.attention_impl == "pallas":
+        _check(c.attention_dropout_rate == 0, "attention_impl", c.attention_impl,
+               f"the Pallas kernel has no attention dropout (attention_dropout_rate="
+               f"{c.attention_dropout_rate}): use 'blocked' or attention_dropout_rate=0")
+        if not c.pallas_interpret:
+            import jax   # the backend: known only here, before anything is compiled
+            _check(jax.default_backend() == "tpu", "attention_impl", c.attention_impl,
+                   f"the Pallas kernel compiles for TPU only, and this backend is "
+                   f"{jax.default_backend()}: set pallas_interpret=True to run it in Pallas' "
+                   "interpreter (slow; for checking its numbers), or use 'blocked'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +204,8 @@ class TextConfig:
     # so attention memory grows as L·block, not L². Same function (dropout masks aside).
     attention_block_size: int = 512
     blocked_attention_from: int = 2048
+    attention_impl: str = "auto"         # one of ATTENTION_IMPLS (above)
+    pallas_interpret: bool = False       # run the Pallas kernel in its interpreter (any backend)
     # Evaluation beyond the absolute table (eval.py with data.max_seq_length N > the table's
     # rows; one of EXTEND_POSITIONS): '' refuses; 'interpolate' resamples the checkpoint's
     # table to N rows (corner-aligned linear, ``positions.interpolate_position_rows``; TUPE's
@@ -296,6 +323,8 @@ class ViTConfig:
     # included; 0: never), for every scheme but DeBERTa's 2D one, which stays plain.
     attention_block_size: int = 512
     blocked_attention_from: int = 2048
+    attention_impl: str = "auto"         # one of ATTENTION_IMPLS (above)
+    pallas_interpret: bool = False       # run the Pallas kernel in its interpreter (any backend)
     remat: bool = False
     scan_layers: bool = False
 

@@ -50,6 +50,16 @@ def has_conv(cfg: Config) -> bool:
     return isinstance(cfg, TextConfig) and bool(cfg.conv_kernel_size)
 
 
+def attention_kernel(cfg: Config) -> str:
+    """What runs the memory-bounded path (``posjax.kernels.attention_fn``): the Pallas kernel
+    for ``attention_impl='pallas'``, and for 'auto' on a TPU while attention dropout is off
+    (interpreted with ``pallas_interpret``); else the plain-JAX scan ('blocked')."""
+    pallas = cfg.attention_impl == "pallas" or (
+        cfg.attention_impl == "auto" and cfg.attention_dropout_rate == 0
+        and jax.default_backend() == "tpu")
+    return ("pallas_interpret" if cfg.pallas_interpret else "pallas") if pallas else "blocked"
+
+
 def can_run_first_only(cfg: Config) -> bool:
     """Whether the last layer may compute token 0 alone (``Encoder(first_only=True)``): not
     when it is also layer 0 and DeBERTa-v2's convolution needs that layer's every row."""
@@ -78,6 +88,7 @@ class EncoderLayer(nn.Module):
             query_positions = np.zeros((1, 1), np.int32)
         dtype = compute_dtype(cfg)
         block_size = cfg.attention_block_size if "block_terms" in terms else 0
+        kernel = attention_kernel(cfg)
         if scheme_of(cfg).disentangled:
             attention = DisentangledAttention(
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, pos_att_type=cfg.pos_att_type,
@@ -87,7 +98,8 @@ class EncoderLayer(nn.Module):
                 v1=scheme_of(cfg).deberta_version == 1, share_att_key=cfg.share_att_key,
                 grid=self.grid, gather=cfg.gather, dtype=dtype,
                 attention_dropout_rate=cfg.attention_dropout_rate,
-                dropout_rate=cfg.dropout_rate, block_size=block_size, name="attention")
+                dropout_rate=cfg.dropout_rate, block_size=block_size, kernel=kernel,
+                name="attention")
 
             def attend(q, kv):
                 return attention(q, kv, rel_table=terms["rel_table"], mask=mask,
@@ -98,7 +110,7 @@ class EncoderLayer(nn.Module):
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, logit_scale=logit_scale(cfg),
                 dtype=dtype, attention_dropout_rate=cfg.attention_dropout_rate,
                 qkv_bias=getattr(cfg, "qkv_bias", True), block_size=block_size,
-                name="attention")
+                kernel=kernel, name="attention")
 
             def attend(q, kv):
                 return attention(q, kv, mask=mask, bias=terms.get("bias"),
@@ -262,11 +274,14 @@ class Encoder(nn.Module):
         """Whether a forward over ``length`` tokens runs the memory-bounded blocked path
         (``posjax.layers.blocked``): from ``cfg.blocked_attention_from`` tokens on (0: never),
         except DeBERTa on a patch grid (its 2D relative terms have no blocked form), and not
-        while attention maps are captured (the blocked path has no L × L map)."""
-        start = self.cfg.blocked_attention_from
+        while attention maps are captured (the blocked path has no L × L map);
+        ``attention_impl`` 'xla': never, 'blocked'/'pallas': at every length
+        (``attention_kernel`` says what runs it)."""
+        impl, start = self.cfg.attention_impl, self.cfg.blocked_attention_from
         grid_deberta = self.grid is not None and scheme_of(self.cfg).disentangled
-        return (not grid_deberta and start > 0 and length >= start
-                and not self.is_mutable_collection("intermediates"))
+        if impl == "xla" or grid_deberta or self.is_mutable_collection("intermediates"):
+            return False
+        return impl != "auto" or (start > 0 and length >= start)
 
     def position_terms(self, length: int, blocked_path: bool = False) -> dict[str, Any]:
         """The position terms every layer shares, computed once: {'bias': (1, h, L, L)} (the sum

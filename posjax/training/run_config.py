@@ -21,16 +21,18 @@ from posjax.training.tasks import make_task
 
 # Keys that may change between a run and its resumption: they change neither the math nor the
 # saved state. eval_batch_size only says how the test split is batched (padding rows are
-# dropped); init_from only seeds a run that starts without a checkpoint; model.remat and
-# model.gather only say how the same model is computed (recomputed activations, DeBERTa's
-# relative-position strategy). data.worker_count is not one: Grain saves another input-iterator
+# dropped); init_from only seeds a run that starts without a checkpoint; model.remat,
+# model.gather, model.attention_impl and model.pallas_interpret only say how the same model
+# is computed (recomputed activations, DeBERTa's relative-position strategy, the attention
+# path and kernel). data.worker_count is not one: Grain saves another input-iterator
 # state with worker processes than without; nor is model.scan_layers (another parameter layout).
 # data_root only seeds the recipes' data paths, which are compared themselves. eval_step only
 # says which saved step eval.py reads (train.py refuses it: run_setup.prepare). preemption only
 # says how a coming stop is noticed (the GCE maintenance event).
 OPERATIONAL_KEYS = ("mesh", "checkpoint", "log_every_steps", "eval_every_steps", "peak_flops",
                     "eval_batch_size", "distributed", "init_from", "model.remat", "model.gather",
-                    "profile", "data_root", "eval_step", "preemption")
+                    "model.attention_impl", "model.pallas_interpret", "profile", "data_root",
+                    "eval_step", "preemption")
 
 
 # Keys a resumed run may change besides OPERATIONAL_KEYS: its length (a decaying learning-rate
