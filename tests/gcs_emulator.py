@@ -2,7 +2,8 @@
 
 The emulator (2026.7.19) ignores the generation preconditions of the JSON API
 (ifGenerationMatch, ifGenerationNotMatch), sends no x-goog-generation header with an object's
-bytes, ignores startOffset/endOffset of a listing and drops the connection on an empty media
+bytes (nor the generation a multipart upload, google-cloud-storage's, names in its metadata is
+checked), ignores startOffset/endOffset of a listing and drops the connection on an empty media
 upload: ``_as_cloud_storage_does`` adds these four, as GCS documents them, to its handlers (it
 serves one request at a time, so a check and the write it guards are atomic). Without them the
 compare-and-swap tests fail, as they should."""
@@ -62,8 +63,13 @@ def _as_cloud_storage_does(patch: pytest.MonkeyPatch) -> None:
                                 if o["name"] >= low and (high is None or o["name"] < high)]
             response.json(listing)
 
+    def inserted(request) -> str:   # a multipart upload names its object in its metadata
+        if "name" in request.query or request.query.get("uploadType") != ["multipart"]:
+            return request.query.get("name", [""])[0]
+        return (request.data or {}).get("meta", {}).get("name", "")
+
     by_name = lambda request: request.params["object_id"]   # noqa: E731
-    replace = {objects.insert: conditional(objects.insert, lambda r: r.query.get("name", [""])[0]),
+    replace = {objects.insert: conditional(objects.insert, inserted),
                objects.get: conditional(objects.get, by_name),
                objects.download: conditional(objects.download, by_name),
                objects.delete: conditional(objects.delete, by_name), objects.ls: ranged}
@@ -96,3 +102,32 @@ def emulator_bucket():
             yield f"gs://{BUCKET}"
         finally:
             server.stop()
+
+
+def main() -> None:
+    """``python tests/gcs_emulator.py [--port 9023] [--bucket posjax-demo]``: the emulator with
+    GCS's preconditions (the stock ``gcp-storage-emulator start`` lacks them: posjax's leases and
+    appends need them), in memory, until Ctrl-C."""
+    import argparse
+    import time
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, default=9023)
+    parser.add_argument("--bucket", default="posjax-demo")
+    args = parser.parse_args()
+    from gcp_storage_emulator import server as emulator_server
+    with pytest.MonkeyPatch.context() as patch:
+        _as_cloud_storage_does(patch)
+        server = emulator_server.create_server("127.0.0.1", args.port, in_memory=True,
+                                               default_bucket=args.bucket)
+        server.start()
+        print(f"serving gs://{args.bucket} at http://127.0.0.1:{args.port}: "
+              f"export STORAGE_EMULATOR_HOST=http://127.0.0.1:{args.port}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
