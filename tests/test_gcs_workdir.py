@@ -34,12 +34,17 @@ def _read(path: str) -> bytes:
     return found[0]
 
 
+def _losses(metrics: str) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in metrics.splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
 @pytest.fixture
 def workdir(emulator) -> str:
     return f"{emulator}/run-{uuid.uuid4().hex[:8]}"
 
 
-def test_train_stop_resume_evaluate_on_a_bucket(workdir):
+def test_train_stop_resume_evaluate_on_a_bucket(workdir, tmp_path):
     config = syn.tiny_config()
     first = trainer.train(config, workdir, stop_after=3)
     assert first.preempted and first.step == 3
@@ -63,6 +68,11 @@ def test_train_stop_resume_evaluate_on_a_bucket(workdir):
     assert result["step"] == 6
     saved = json.loads(_read(f"{workdir}/checkpoints/eval_6_test.json"))
     assert saved["step"] == 6 and saved["accuracy"] == pytest.approx(result["accuracy"])
+    # The stopped and resumed run ends as an uninterrupted one in a local folder.
+    local = trainer.train(config, tmp_path / "local")
+    assert local.eval == second.eval
+    assert (_losses(_read(f"{workdir}/metrics.jsonl").decode())
+            == _losses((tmp_path / "local" / "metrics.jsonl").read_text()))
 
 
 def _train_steps(workdir: str) -> list[int]:
