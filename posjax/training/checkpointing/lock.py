@@ -52,11 +52,11 @@ def _bucket_lease(workdir: os.PathLike) -> Iterator[None]:
     is tried again until that long has passed (a run killed moments ago, whose lease no one
     renews, is then taken over; a live holder's renewals refuse this run)."""
     global _lease_lost
-    deadline, waiting = time.monotonic() + LEASE_EXPIRE_S + LEASE_RENEW_S, False
+    deadline, waiting, lost = time.monotonic() + LEASE_EXPIRE_S + LEASE_RENEW_S, False, None
     with contextlib.ExitStack() as held:
-        while _lease_lost is None:
+        while lost is None:
             try:
-                _lease_lost = held.enter_context(
+                lost = held.enter_context(
                     storage.bucket_lease(workdir, LEASE_RENEW_S, LEASE_EXPIRE_S))
             except ValueError:
                 if time.monotonic() >= deadline:
@@ -67,6 +67,7 @@ def _bucket_lease(workdir: os.PathLike) -> Iterator[None]:
                                     LEASE_EXPIRE_S + LEASE_RENEW_S)
                 waiting = True
                 time.sleep(min(LEASE_RENEW_S, 1.0))
+        _lease_lost = lost
         try:
             yield
         finally:
