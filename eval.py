@@ -64,8 +64,8 @@ def main(argv):
 
     def evaluate() -> dict:
         hosts.maybe_initialize_distributed(config)
-        return evaluator.evaluate(config, pathlib.Path(flags.FLAGS.workdir).expanduser(),
-                             flags.FLAGS.step)
+        # a local path (``~`` expanded) or gs://bucket/run: run_setup.prepare reads it
+        return evaluator.evaluate(config, flags.FLAGS.workdir, flags.FLAGS.step)
 
     print(json.dumps(cli.run_command(evaluate), indent=2))
 

@@ -20,7 +20,8 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections.config_dict import FieldReference
 
-from posjax.io_utils import local_path, read_json_object
+from posjax import storage
+from posjax.io_utils import read_json_object
 from posjax.models.config import TextConfig, ViTConfig
 from posjax.models.schemes import ALIASES, SCHEMES, TEXT_SCHEMES, Scheme
 
@@ -226,8 +227,8 @@ def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def read_saved_config(workdir: str | pathlib.Path) -> dict[str, Any] | None:
     """The run's ``config.json`` as a dict; None when the workdir has none."""
-    return read_json_object(local_path(workdir, "--workdir") / CONFIG_FILE, "the run's config",
-                            "restore it from a copy, or use a new --workdir")
+    return read_json_object(storage.as_path(workdir, "--workdir") / CONFIG_FILE,
+                            "the run's config", "restore it from a copy, or use a new --workdir")
 
 
 def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -235,7 +236,7 @@ def load_saved_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
     (saved before the key existed) takes ``default_config``'s value. ``eval_step`` belongs
     to an evaluation, not to the run: it starts unset."""
     saved = read_saved_config(workdir)
-    path = local_path(workdir, '--workdir') / CONFIG_FILE
+    path = storage.as_path(workdir, '--workdir') / CONFIG_FILE
     if saved is None:
         raise ValueError(f"{path} does not exist: give the --workdir of a train.py run "
                          "(or --config)")

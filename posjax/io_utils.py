@@ -137,10 +137,18 @@ def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) 
     ``path``: a crash leaves the old file or the new one, never a partial one. The file gets
     the usual permissions (0666 less the umask), readable by others on shared storage.
 
+    A ``gs://`` path (``storage.as_path``) is written to a local temporary file, then uploaded
+    in one request: Cloud Storage replaces an object whole.
+
     The temporary file is ``.<name>.<host>.<pid namespace>.<pid>.tmp``; those a killed writer
     of this host and PID namespace left for the same ``path`` are removed first (a SIGKILL
     mid-write cannot clean up after itself).
     """
+    if os.fspath(path).startswith("gs://"):   # a Cloud Storage object: one upload replaces it
+        with tempfile.TemporaryDirectory() as folder:
+            write(tmp := pathlib.Path(folder) / path.name)
+            path.write_bytes(tmp.read_bytes())
+        return
     prefix = f".{path.name}.{_pid_space()}."
     _remove_abandoned(path.parent, prefix)
     tmp = path.with_name(f"{prefix}{os.getpid()}.tmp")

@@ -52,6 +52,25 @@ def as_path(value: str | os.PathLike, what: str = "path") -> Any:
     return epath.Path(os.fspath(value))
 
 
+def path(value: str | os.PathLike) -> Any:
+    """``value`` as a path object: ``gs://...`` as ``as_path`` makes it; a local path as a
+    ``pathlib.Path``, unchanged (relative stays relative); a path object as it is."""
+    if isinstance(value, pathlib.PurePath) or not is_bucket(value):
+        return value if isinstance(value, pathlib.PurePath) else pathlib.Path(value)
+    return as_path(value)
+
+
+def files(directory: str | os.PathLike) -> list[str]:
+    """The names of the objects under the bucket folder ``directory``, relative to it, sorted
+    (one listing; a local folder: ``rglob``'s files)."""
+    if not is_bucket(directory):
+        root = pathlib.Path(directory)
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    with _object(directory) as (kv, prefix):
+        found = kv.list(kv.KeyRange(prefix + "/", prefix + "0") if prefix else None).result()
+    return sorted(k.decode()[len(prefix) + 1 if prefix else 0:] for k in found)
+
+
 def _split(path: str | os.PathLike) -> tuple[str, str]:
     bucket, _, key = os.fspath(path)[len(SCHEME):].partition("/")
     if not bucket:

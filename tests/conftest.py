@@ -36,6 +36,14 @@ def shared_data() -> pathlib.Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def emulator():
+    """``gs://<bucket>`` of gcp-storage-emulator (tests/gcs_emulator.py), STORAGE_EMULATOR_HOST
+    pointing at it; skipped where the emulator is not installed."""
+    from gcs_emulator import emulator_bucket
+    yield from emulator_bucket()
+
+
 @pytest.fixture
 def terminal_signals():
     """SIGINT and SIGTERM as a terminal gives them to Python (and, through exec, SIG_DFL to a

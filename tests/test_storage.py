@@ -3,7 +3,7 @@
 The emulator (2026.7.19) ignores the generation preconditions of the JSON API
 (ifGenerationMatch, ifGenerationNotMatch), sends no x-goog-generation header with an object's
 bytes, ignores startOffset/endOffset of a listing and drops the connection on an empty media
-upload: ``_as_cloud_storage_does`` adds these four, as GCS documents them, to its handlers (it
+upload: ``gcs_emulator._as_cloud_storage_does`` adds these four, as GCS documents them, to its handlers (it
 serves one request at a time, so a check and the write it guards are atomic). Without them the
 compare-and-swap tests fail, as they should."""
 from __future__ import annotations
@@ -15,93 +15,11 @@ import socket
 import threading
 import time
 import uuid
-from http import HTTPStatus
 
 import pytest
 
 from posjax import storage
-
-BUCKET = "posjax-test"
-_SET_BY_CONFIGURE = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
-
-
-def _as_cloud_storage_does(patch: pytest.MonkeyPatch) -> None:
-    from gcp_storage_emulator import server
-    from gcp_storage_emulator.exceptions import NotFound
-    from gcp_storage_emulator.handlers import objects
-
-    def generation(request, name, store):
-        try:
-            return int(store.get_file_obj(request.params["bucket_name"], name)["generation"])
-        except NotFound:
-            return None
-
-    def conditional(handler, name_of):
-        def handle(request, response, store, *args, **kwargs):
-            name = name_of(request)
-            current = generation(request, name, store) if name else None
-            match = request.query.get("ifGenerationMatch")
-            not_match = request.query.get("ifGenerationNotMatch")
-            if match and (current or 0) != int(match[0]):
-                response.status = HTTPStatus.PRECONDITION_FAILED
-                return response.json({"error": {"code": 412, "message": "conditionNotMet"}})
-            if not_match and current == int(not_match[0]):
-                response.status = HTTPStatus.NOT_MODIFIED
-                return None
-            if request.query.get("uploadType") == ["media"] and request.data is None:
-                request._data = b""   # an empty object (its handler failed on no body)
-            handler(request, response, store, *args, **kwargs)
-            if response.status == HTTPStatus.OK and name:
-                response["x-goog-generation"] = str(generation(request, name, store))
-            return None
-        return handle
-
-    def ranged(request, response, store, *args, **kwargs):
-        objects.ls(request, response, store, *args, **kwargs)
-        low = request.query.get("startOffset", [""])[0]
-        high = request.query.get("endOffset", [None])[0]
-        if response.status == HTTPStatus.OK and (low or high):
-            listing = json.loads(response._content)
-            listing["items"] = [o for o in listing["items"]
-                                if o["name"] >= low and (high is None or o["name"] < high)]
-            response.json(listing)
-
-    by_name = lambda request: request.params["object_id"]   # noqa: E731
-    replace = {objects.insert: conditional(objects.insert, lambda r: r.query.get("name", [""])[0]),
-               objects.get: conditional(objects.get, by_name),
-               objects.download: conditional(objects.download, by_name),
-               objects.delete: conditional(objects.delete, by_name), objects.ls: ranged}
-    for _, handlers in server.HANDLERS:
-        for method, handler in list(handlers.items()):
-            if handler in replace:
-                patch.setitem(handlers, method, replace[handler])
-    patch.setattr(objects, "insert", replace[objects.insert])   # the router's fallback
-
-
-@pytest.fixture(scope="session")
-def emulator():
-    """A bucket on gcp-storage-emulator (in memory, a thread of this process), with
-    STORAGE_EMULATOR_HOST pointing at it."""
-    emulator_server = pytest.importorskip(
-        "gcp_storage_emulator.server",
-        reason="gcp-storage-emulator is not installed (requirements-test.txt): gs:// untested")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.MonkeyPatch.context() as patch:
-        _as_cloud_storage_does(patch)
-        for name in _SET_BY_CONFIGURE:   # restored at the end
-            patch.delenv(name, raising=False)
-        patch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-        storage.configure_emulator()
-        server = emulator_server.create_server("127.0.0.1", port, in_memory=True,
-                                               default_bucket=BUCKET)
-        server.start()
-        try:
-            yield f"gs://{BUCKET}"
-        finally:
-            server.stop()
+from gcs_emulator import _SET_BY_CONFIGURE
 
 
 @pytest.fixture(params=["local", "gs"])

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from posjax import storage
 from posjax.io_utils import write_text_atomically, writing
 
 
@@ -61,13 +62,13 @@ class MetricWriter:
 
     def __init__(self, workdir: str | pathlib.Path, enabled: bool, start_step: int):
         self.enabled = enabled
-        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self.path = storage.path(workdir) / "metrics.jsonl"
         self._tb = None
         if not enabled:
             return
         with self._writing():
             drop_after(self.path, start_step)
-            self._tb = EventFile(pathlib.Path(workdir) / "tensorboard",
+            self._tb = EventFile(storage.path(workdir) / "tensorboard",
                                  purge_step=start_step + 1 if start_step else None,
                                  suffix=f".from_step_{start_step}")
 
@@ -79,8 +80,12 @@ class MetricWriter:
         if not self.enabled:
             return
         with self._writing():
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": int(step), "split": split, **scalars}) + "\n")
+            line = json.dumps({"step": int(step), "split": split, **scalars})
+            if storage.is_bucket(self.path):   # read and rewritten: storage.append_line
+                storage.append_line(self.path, line)
+            else:
+                with self.path.open("a") as f:
+                    f.write(line + "\n")
             self._tb.write(step, {f"{split}/{name}": value for name, value in scalars.items()})
 
     def write_once(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
@@ -170,7 +175,7 @@ def drop_after(path: pathlib.Path, step: int) -> None:
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl (lines that are not JSON records are skipped)."""
-    path = pathlib.Path(path)
+    path = storage.path(path)
     if not path.exists():
         return []
     return [r for r in _read_records(path)[1] if r is not None]
@@ -256,7 +261,7 @@ def curve_series(records: list[dict[str, Any]]
 def plot_curves(workdir: str | pathlib.Path) -> pathlib.Path | None:
     """``loss_curve.png``: train and eval loss (left axis) and the eval score (right axis,
     ``curve_series``), one legend under the axes; None without train losses."""
-    workdir = pathlib.Path(workdir)
+    workdir = storage.path(workdir)
     curves = curve_series(read_metrics(workdir / "metrics.jsonl"))
     if "train loss" not in curves:
         return None

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import ml_collections
 
+from posjax import storage
+
 DIRECTORY = "tensorboard"
 
 
@@ -43,7 +45,7 @@ class StepProfile:
                  enabled: bool = True):
         self.first, self.count = profile.first_step, profile.num_steps
         self.last = self.first + self.count - 1
-        self.directory = pathlib.Path(workdir) / DIRECTORY
+        self.directory = storage.path(workdir) / DIRECTORY
         self.enabled = enabled and self.count > 0
         self.active = False
         self.traced = start

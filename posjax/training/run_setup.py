@@ -16,8 +16,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from posjax import config_defaults
-from posjax.io_utils import local_path
+from posjax import config_defaults, storage
 from posjax.training import hosts
 from posjax.training import init_from_checks
 from posjax.training import mesh as mesh_lib
@@ -87,7 +86,7 @@ class _Context:
 def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             training: bool) -> Run:
     """Validate everything and build the run's objects (abstract only: nothing compiled)."""
-    workdir = local_path(workdir, "--workdir")
+    workdir = storage.as_path(workdir, "--workdir")
     processes.check_same_software()
     processes.check_same_config(config)   # first: else one process may fail alone on its own config
     task = make_task(config)

@@ -22,7 +22,7 @@ from typing import Any
 
 import ml_collections
 
-from posjax import config_defaults
+from posjax import config_defaults, storage
 from posjax.data import identity as identity_lib
 from posjax.io_utils import cannot_write_in, check_creatable, local_path, write_text_atomically
 from posjax.training import metrics as metrics_lib
@@ -147,8 +147,10 @@ def write_data_identity(workdir: pathlib.Path, data_identity: dict[str, Any]) ->
 
 
 def check_writable(workdir: pathlib.Path) -> None:
-    """A directory (or a path to create one at) that this process can write in."""
-    check_creatable(workdir, "workdir")
+    """A directory (or a path to create one at) that this process can write in (on a bucket:
+    its first write says whether it can)."""
+    if not storage.is_bucket(workdir):
+        check_creatable(workdir, "workdir")
 
 
 # What a run writes in its workdir, and an evaluation: directories ("dir"), files it writes
@@ -164,9 +166,14 @@ EVAL_ENTRIES = {"checkpoints": "dir", "predictions": "dir"}
 def check_entries(workdir: pathlib.Path, entries: dict[str, str]) -> None:
     """Each of ``entries`` that exists in ``workdir`` is of its kind and, if written into,
     writable, so that a run does not fail after its steps (or an evaluation after evaluating)
-    when it writes there."""
+    when it writes there (on a bucket: the kind only)."""
     for name, kind in entries.items():
         path = workdir / name
+        if storage.is_bucket(path):
+            if kind != "dir" and path.is_dir():
+                raise ValueError(f"workdir {str(workdir)!r}: {name} is a folder, not a file: "
+                                 "move it out of the workdir")
+            continue
         if not os.path.lexists(path):
             continue
         if not path.exists():
@@ -250,8 +257,10 @@ def evaluates_init_from(config: ml_collections.ConfigDict, workdir: pathlib.Path
     """eval.py on ``config.init_from``'s weights as they are (reported as step 0): set, and
     ``workdir`` is not a run's (no checkpoint, no ``config.json``: a run is evaluated on its
     own checkpoints)."""
+    config_file = workdir / config_defaults.CONFIG_FILE
     return (not training and bool(config.init_from) and not integrity.saved_steps(workdir)
-            and not os.path.lexists(workdir / config_defaults.CONFIG_FILE))
+            and not (config_file.exists() if storage.is_bucket(workdir)
+                     else os.path.lexists(config_file)))
 
 
 def split_tag(split: str) -> str:

@@ -35,10 +35,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from posjax import checkpoint_io
+from posjax import checkpoint_io, storage
 from posjax.io_utils import SaveFailed
 from posjax.training import hosts
-from posjax.training.checkpointing import input_position, integrity
+from posjax.training.checkpointing import input_position, integrity, lock
 
 if TYPE_CHECKING:
     from posjax.training.stop_request import StopRequest
@@ -99,7 +99,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str | pathlib.Path, every_steps: int, keep: int,
                  async_save: bool = True, create: bool = True, stop: StopRequest | None = None):
-        self.directory = pathlib.Path(workdir).expanduser().resolve() / "checkpoints"
+        self.directory = storage.as_path(workdir, "--workdir") / "checkpoints"
         # Save on the interval only (Orbax's default also saves the first step of every run);
         # preemption and the final step are saved with force=True.
         policy = ocp.checkpoint_managers.FixedIntervalPolicy(max(int(every_steps), 1))
@@ -126,10 +126,11 @@ class Checkpointer:
         """Remove the partial saves of runs that died mid-save (<step>.orbax-checkpoint-tmp,
         full size), now, before this run saves. Only a training run (``create``) may: it holds
         the workdir lock, so no other run is saving; an evaluation must not, since the run it
-        evaluates may be saving. (Orbax's own clean-up runs in a thread nothing waits for.)"""
-        for partial in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+        evaluates may be saving. (Orbax's own clean-up runs in a thread nothing waits for.)
+        On a bucket: ``integrity.partial_saves``."""
+        for partial in integrity.partial_saves(self.directory):
             try:
-                shutil.rmtree(partial)
+                partial.rmtree() if storage.is_bucket(partial) else shutil.rmtree(partial)
             except OSError as e:
                 logging.warning("cannot remove the partial save %s (%s); remove it by hand",
                                 partial, e.strerror)
@@ -144,8 +145,10 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_iter: Any, force: bool = False) -> bool:
         """Save if ``step`` is on the interval (or ``force``); returns whether it saved. The
         save before is waited for first (Orbax would wait too), and its integrity record:
-        this save may rotate out older steps (``keep``)."""
+        this save may rotate out older steps (``keep``). A lost lease on a bucket workdir
+        raises SaveFailed (``lock.check_held``)."""
         if force or self.due(step):
+            lock.check_held()
             if self._pending is not None:
                 self.wait()
             self.wait_for_record()

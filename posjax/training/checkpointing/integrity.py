@@ -5,6 +5,11 @@ rot) is found before its bytes reach the model. A step found damaged is moved as
 (``move_aside``: renamed ``<step>.damaged-<reason>``, never deleted): Orbax's step listing
 reads only names that are a step number, so neither a resume nor ``checkpoint.keep`` sees it.
 
+On a bucket (``gs://``) the record is the same, each object read back for its CRC-32 (the
+listing's CRC-32C would spare the download, but then restores would check another sum than
+local ones); moving a step aside copies its objects and deletes them (``storage.move``: not
+atomic) and ``partial_saves`` also names a step folder without Orbax's ``commit_success.txt``.
+
 A step saved before the record existed, or by a run killed between the commit and the record,
 has none: its files are then checked only by the restore itself.
 
@@ -20,6 +25,9 @@ import pathlib
 import zlib
 
 import orbax.checkpoint as ocp
+
+from posjax import storage
+from posjax.io_utils import write_text_atomically
 
 RECORD_FILE = "integrity.json"
 _CHUNK = 1 << 22
@@ -39,22 +47,36 @@ def intact_steps(workdir: pathlib.Path, but: tuple[int, ...] = ()) -> list[int]:
             if s not in but and damage(directory / str(s), checksums=False) is None]
 
 
+def partial_saves(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The partial saves in ``directory`` (a run's checkpoints): ``*.orbax-checkpoint-tmp*``;
+    on a bucket, where Orbax saves in place and ends a step with ``commit_success.txt``, also a
+    step folder without it."""
+    partials = sorted(directory.glob("*.orbax-checkpoint-tmp*"))
+    if storage.is_bucket(directory) and directory.exists():
+        partials += [p for p in directory.iterdir() if p.name.isdigit()
+                     and not (p / "commit_success.txt").exists()]
+    return partials
+
+
 def _crc32(path: pathlib.Path) -> str:
     value = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             value = zlib.crc32(chunk, value)
     return f"{value:08x}"
 
 
-def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != RECORD_FILE)
+def _size(path: pathlib.Path) -> int:
+    """The size of the file (or bucket object: epath's stat has ``length``) ``path``."""
+    stat = path.stat()
+    return stat.st_size if hasattr(stat, "st_size") else stat.length
 
 
 def describe(step_dir: pathlib.Path) -> dict[str, dict[str, object]]:
-    """{relative path: {"size", "crc32"}} of every file under ``step_dir`` but the record."""
-    return {str(p.relative_to(step_dir)): {"size": p.stat().st_size, "crc32": _crc32(p)}
-            for p in _files(step_dir)}
+    """{relative path: {"size", "crc32"}} of every file under ``step_dir`` but the record
+    (on a bucket too: each object read back, as a file is)."""
+    names = [n for n in storage.files(step_dir) if pathlib.PurePath(n).name != RECORD_FILE]
+    return {n: {"size": _size(step_dir / n), "crc32": _crc32(step_dir / n)} for n in names}
 
 
 def write_record(step_dir: pathlib.Path) -> None:
@@ -65,6 +87,8 @@ def write_record(step_dir: pathlib.Path) -> None:
     temporary = step_dir / f".{RECORD_FILE}.tmp"
     try:
         text = json.dumps({"files": describe(step_dir)}, indent=1, sort_keys=True)
+        if storage.is_bucket(step_dir):   # one upload: the whole record or none
+            return write_text_atomically(record, text)
         with open(temporary, "w") as f:
             f.write(text)
             f.flush()
@@ -75,7 +99,7 @@ def write_record(step_dir: pathlib.Path) -> None:
     except OSError as e:
         logging.warning("no integrity record for %s (%s): its files are checked only when "
                         "it is restored", step_dir, e.strerror or e)
-        if step_dir.exists():
+        if step_dir.exists() and not storage.is_bucket(step_dir):
             temporary.unlink(missing_ok=True)
 
 
@@ -106,7 +130,7 @@ def damage(step_dir: pathlib.Path, checksums: bool = True) -> tuple[str, str] | 
     for name, expected in sorted(files.items()):
         path = step_dir / name
         try:
-            size = path.stat().st_size
+            size = _size(path)
             if size != expected["size"]:
                 return "truncated", f"{name} holds {size} bytes, {expected['size']} were saved"
             if checksums and _crc32(path) != expected["crc32"]:
@@ -123,8 +147,8 @@ def move_aside(step_dir: pathlib.Path, reason: str) -> pathlib.Path:
     and return the new path."""
     target = step_dir.with_name(f"{step_dir.name}.damaged-{reason}")
     n = 2
-    while os.path.lexists(target):
+    while target.exists() if storage.is_bucket(target) else os.path.lexists(target):
         target = step_dir.with_name(f"{step_dir.name}.damaged-{reason}-{n}")
         n += 1
-    step_dir.rename(target)
+    storage.move(step_dir, target)   # a bucket: copied object by object, then deleted
     return target

@@ -8,8 +8,9 @@ on the workdir itself (a deleted ``train.lock`` must not let a second run in; NF
 one on the machine). A second run is refused before it writes anything, with one error naming
 the holder. The kernel drops the locks when their holder ends, however it ends (SIGKILL and
 the OOM killer included), so a lock is never stale. With several processes, process 0 holds
-them for the run. Evaluation does not lock: evaluating checkpoints while training goes on is
-what ``eval.py`` is for.
+them for the run. On a bucket (``gs://``) a lease object takes their place
+(``storage.bucket_lease``): ``check_held`` stops the run once it is lost. Evaluation does not
+lock: evaluating checkpoints while training goes on is what ``eval.py`` is for.
 """
 from __future__ import annotations
 
@@ -21,9 +22,56 @@ import logging
 import os
 import pathlib
 import socket
+import threading
+import time
 from typing import Iterator
 
-LOCK_FILE = "train.lock"
+from posjax import storage
+from posjax.io_utils import SaveFailed
+
+LOCK_FILE = storage.LOCK_FILE
+# A bucket's lease (``storage.bucket_lease``): renewed every LEASE_RENEW_S, expiring
+# LEASE_EXPIRE_S after its last renewal.
+LEASE_RENEW_S, LEASE_EXPIRE_S = 10.0, 30.0
+_lease_lost: threading.Event | None = None   # set once this process's bucket lease is lost
+
+
+def check_held() -> None:
+    """SaveFailed once this run's lease on its bucket workdir is lost (taken over by another
+    run after it went unrenewed for LEASE_EXPIRE_S): it must not write there any more."""
+    if _lease_lost is not None and _lease_lost.is_set():
+        raise SaveFailed("this run lost its lease on the workdir (train.lock was not renewed "
+                         f"for {LEASE_EXPIRE_S:.0f} s, or another run took it over): stopped "
+                         "before writing more; make sure no other run trains there, then start "
+                         "this run again to resume from its latest checkpoint")
+
+
+@contextlib.contextmanager
+def _bucket_lease(workdir: os.PathLike) -> Iterator[None]:
+    """``storage.bucket_lease`` on ``workdir``; a lease renewed less than LEASE_EXPIRE_S ago
+    is tried again until that long has passed (a run killed moments ago, whose lease no one
+    renews, is then taken over; a live holder's renewals refuse this run)."""
+    global _lease_lost
+    deadline, waiting, lost = time.monotonic() + LEASE_EXPIRE_S + LEASE_RENEW_S, False, None
+    with contextlib.ExitStack() as held:
+        while lost is None:
+            try:
+                lost = held.enter_context(
+                    storage.bucket_lease(workdir, LEASE_RENEW_S, LEASE_EXPIRE_S))
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not waiting:
+                    logging.warning("workdir %s: its lease is held; trying again for up to "
+                                    "%.0f s (its holder may have ended)", os.fspath(workdir),
+                                    LEASE_EXPIRE_S + LEASE_RENEW_S)
+                waiting = True
+                time.sleep(min(LEASE_RENEW_S, 1.0))
+        _lease_lost = lost
+        try:
+            yield
+        finally:
+            _lease_lost = None
 
 
 def _holder() -> str:
@@ -76,6 +124,10 @@ def exclusive(workdir: pathlib.Path, enabled: bool = True) -> Iterator[None]:
     other than 0). ``workdir`` must exist. Raises ValueError when another run holds them."""
     if not enabled:
         yield
+        return
+    if storage.is_bucket(workdir):   # no flock on a bucket: a lease (storage.bucket_lease)
+        with _bucket_lease(workdir):
+            yield
         return
     workdir = pathlib.Path(workdir)
     record = workdir / LOCK_FILE

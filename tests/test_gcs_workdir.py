@@ -1,0 +1,159 @@
+"""A training run with ``--workdir gs://...`` on gcp-storage-emulator (tests/gcs_emulator.py):
+train with checkpoints, stop, resume to the end, evaluate; what the run writes is in the
+bucket (config.json, metrics.jsonl with every step once, the checkpoints, the eval JSON)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+import synthetic_runs as syn
+from posjax import storage
+from posjax.training import evaluator, trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _names(workdir: str) -> list[str]:
+    """The objects under ``workdir``, relative to it."""
+    with storage._object(workdir) as (kv, prefix):
+        names = kv.list(kv.KeyRange(prefix + "/", prefix + "0")).result()
+    return sorted(n.decode()[len(prefix) + 1:] for n in names)
+
+
+def _read(path: str) -> bytes:
+    found = storage.read_with_generation(path)
+    assert found is not None, f"{path} is not in the bucket"
+    return found[0]
+
+
+def _losses(metrics: str) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in metrics.splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+@pytest.fixture
+def workdir(emulator) -> str:
+    return f"{emulator}/run-{uuid.uuid4().hex[:8]}"
+
+
+def test_train_stop_resume_evaluate_on_a_bucket(workdir, tmp_path):
+    config = syn.tiny_config()
+    first = trainer.train(config, workdir, stop_after=3)
+    assert first.preempted and first.step == 3
+    names = _names(workdir)
+    assert "config.json" in names and "metrics.jsonl" in names
+    assert any(n.startswith("checkpoints/2/") for n in names)
+    assert "train.lock" not in names   # released at the end
+    second = trainer.train(config, workdir)
+    assert (second.start, second.step, second.preempted) == (3, 6, False)
+    records = [json.loads(line) for line in _read(f"{workdir}/metrics.jsonl").splitlines()]
+    train_steps = [r["step"] for r in records if r["split"] == "train"]
+    assert train_steps == [1, 2, 3, 4, 5, 6], "every step logged once"
+    assert json.loads(_read(f"{workdir}/config.json"))["num_steps"] == 6
+    names = _names(workdir)
+    for step in (2, 3, 4, 6):   # committed (Orbax in place), with their integrity records
+        assert {f"checkpoints/{step}/commit_success.txt",
+                f"checkpoints/{step}/integrity.json"} <= set(names), step
+    assert {"checkpoints/eval_6_test.json", "loss_curve.png"} <= set(names)
+    assert sum(n.startswith("tensorboard/events") for n in names) == 2   # one per launch
+    result = evaluator.evaluate(config, workdir)
+    assert result["step"] == 6
+    saved = json.loads(_read(f"{workdir}/checkpoints/eval_6_test.json"))
+    assert saved["step"] == 6 and saved["accuracy"] == pytest.approx(result["accuracy"])
+    # The stopped and resumed run ends as an uninterrupted one in a local folder.
+    local = trainer.train(config, tmp_path / "local")
+    assert local.eval == second.eval
+    assert (_losses(_read(f"{workdir}/metrics.jsonl").decode())
+            == _losses((tmp_path / "local" / "metrics.jsonl").read_text()))
+
+
+def _train_steps(workdir: str) -> list[int]:
+    records = [json.loads(line) for line in _read(f"{workdir}/metrics.jsonl").splitlines()]
+    return [r["step"] for r in records if r["split"] == "train"]
+
+
+def test_a_partial_save_is_removed_and_a_damaged_step_moved_aside(workdir):
+    config = syn.tiny_config()
+    assert trainer.train(config, workdir, stop_after=5).step == 5   # saved: 2, 4, 5
+    checkpoints = f"{workdir}/checkpoints"
+    # Step 5 as a run killed mid-save leaves it on a bucket: no commit_success.txt.
+    found = storage.read_with_generation(f"{checkpoints}/5/commit_success.txt")
+    assert storage.delete_if_generation(f"{checkpoints}/5/commit_success.txt", found[1])
+    # Step 4 with an object cut short.
+    victim = next(n for n in _names(f"{checkpoints}/4")
+                  if n.startswith("state/") and len(_read(f"{checkpoints}/4/{n}")) > 8)
+    storage.write_atomically(f"{checkpoints}/4/{victim}", _read(f"{checkpoints}/4/{victim}")[:8])
+    result = trainer.train(config, workdir)
+    assert (result.start, result.step) == (2, 6)
+    names = _names(workdir)
+    assert not any(n.startswith("checkpoints/5/") for n in names), "the partial save is gone"
+    assert f"checkpoints/4.damaged-truncated/{victim}" in names
+    assert not any(n.startswith("checkpoints/4/") for n in names)
+    assert _train_steps(workdir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_second_run_is_refused_naming_the_holder(workdir, monkeypatch):
+    from posjax.training.checkpointing import lock
+    monkeypatch.setattr(lock, "LEASE_RENEW_S", 0.2)
+    monkeypatch.setattr(lock, "LEASE_EXPIRE_S", 0.6)
+    with storage.bucket_lease(workdir, renew_s=0.2, expire_s=0.6) as lost:   # another run
+        holder = json.loads(_read(f"{workdir}/train.lock"))
+        with pytest.raises(ValueError, match=rf"in use by another training run \(pid "
+                                             rf"{holder['pid']} on host {holder['host']}"):
+            trainer.train(syn.tiny_config(num_steps=2), workdir)
+        assert not lost.is_set(), "the holder kept its lease"
+    assert "checkpoints/2/commit_success.txt" not in _names(workdir)
+
+
+def test_the_lease_of_a_run_killed_moments_ago_is_taken_over(workdir, monkeypatch):
+    from posjax.training.checkpointing import lock
+    monkeypatch.setattr(lock, "LEASE_RENEW_S", 0.2)
+    monkeypatch.setattr(lock, "LEASE_EXPIRE_S", 0.6)
+    # A lease renewed just now by a run that is gone (SIGKILL: no renewal, no delete).
+    dead = {"pid": 1, "host": "gone", "token": "x", "since": "then", "renewed": time.time()}
+    assert storage.create_only(f"{workdir}/train.lock", json.dumps(dead).encode())
+    result = trainer.train(syn.tiny_config(num_steps=2), workdir)
+    assert (result.step, result.preempted) == (2, False)
+    assert "train.lock" not in _names(workdir)
+
+
+def test_a_lost_lease_stops_the_run_at_its_next_save(workdir, monkeypatch):
+    from posjax.io_utils import SaveFailed
+    from posjax.training.checkpointing import lock
+    monkeypatch.setattr(lock, "LEASE_RENEW_S", 0.1)
+    with lock.exclusive(storage.as_path(workdir)):
+        lock.check_held()
+        storage.write_atomically(f"{workdir}/train.lock", b"{}")   # taken over meanwhile
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not lock._lease_lost.is_set():
+            time.sleep(0.05)
+        with pytest.raises(SaveFailed, match="lost its lease on the workdir"):
+            lock.check_held()
+    lock.check_held()   # no lease held: nothing to lose
+
+
+def test_train_py_and_eval_py_take_a_gs_workdir(workdir):
+    """The commands as the README shows them, STORAGE_EMULATOR_HOST in their environment;
+    eval.py reads the run's config.json from the bucket (no --config)."""
+    from jax_env import xla_flags
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    trained = run("train.py", "--config", "configs/vit_digits.py:tiny", f"--workdir={workdir}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "final eval at step 6" in trained.stdout
+    evaluated = run("eval.py", f"--workdir={workdir}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout[evaluated.stdout.index("{"):])["step"] == 6
+    assert json.loads(_read(f"{workdir}/checkpoints/eval_6_test.json"))["step"] == 6
