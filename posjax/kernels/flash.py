@@ -76,9 +76,8 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
     """The kernel on blocked.py's block layout -> out (nq, B, h, bq, dv) fp32 and lse
     (nq, B, h, bq) (+inf for rows with no visible key), as ``blocked._forward``."""
     batch, heads, dv = vb.shape[2], vb.shape[3], vb.shape[4]
-    geo = kt.Geometry(batch, heads, plan.block_q, plan.block_k, plan.num_q, plan.num_k)
     bq, nk = plan.block_q, plan.num_k
-    ops = kt.Operands(geo)
+    ops = kt.Operands(plan)
 
     q_slot = ops.rows(kt.to_heads_rows(qr[0]), "q")   # (B, h, L, d)
     k_slot = ops.rows(kt.to_heads_rows(kr[0]), "k")
@@ -98,7 +97,7 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
     terms: bl.BlockTerms = jax.tree.unflatten(plan.treedef, [next(it[r]) for r in plan.roles])
     term_logits = kt.build_terms(terms, qr[0].dtype, ops)
     num_inputs = len(ops.arrays)
-    lq_pad = geo.lq_pad
+    lq_pad = plan.lq_pad
     # lse: rows (B, h, 1, Lq_pad) when the query block fills whole lanes; else a column
     # (B, h, Lq_pad, 1), which TPU HBM pads to 128 lanes (blocks of 128 avoid it).
     lse_rows = bq % 128 == 0
@@ -119,7 +118,7 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
         shape = (bq, plan.block_k)
         qpos = i * bq + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         kpos = j * plan.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        ctx = kt.Context(q, k, qpos, kpos, h, i, j, geo)
+        ctx = kt.Context(q, k, qpos, kpos, h, i, j, plan)
         s = kt.nt(q, k) * plan.scale
         for logits in term_logits:
             s = s + logits(ins, ctx)

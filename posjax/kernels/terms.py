@@ -43,33 +43,14 @@ Array = jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry, operands, the per-block context
+# Operands, the per-block context
 # ---------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """The kernel grid: (batch, heads, num_q, num_k) of blocks block_q × block_k."""
-
-    batch: int
-    heads: int
-    block_q: int
-    block_k: int
-    num_q: int
-    num_k: int
-
-    @property
-    def lq_pad(self) -> int:
-        return self.block_q * self.num_q
-
-    @property
-    def lk_pad(self) -> int:
-        return self.block_k * self.num_k
-
-
 class Operands:
-    """Collects the kernel's inputs: (array, BlockSpec) pairs; ``add`` returns the slot."""
+    """Collects the kernel's inputs: (array, BlockSpec) pairs; ``add`` returns the slot.
+    ``geo``: blocked.py's plan (block_q, block_k, num_q, num_k, lq_pad, lk_pad)."""
 
-    def __init__(self, geo: Geometry):
+    def __init__(self, geo: bl._Plan):
         self.geo = geo
         self.arrays: list[Array] = []
         self.specs: list[pl.BlockSpec] = []
@@ -121,7 +102,7 @@ class Context:
     h: Array
     i: Array
     j: Array
-    geo: Geometry
+    geo: bl._Plan
 
 
 def nt(a: Array, b: Array) -> Array:
