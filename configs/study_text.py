@@ -166,8 +166,7 @@ def get_config(variant: str = ""):
         s.sweep.learning_rates = [1e-3, 3e-3]
         s.held_out = ml_collections.ConfigDict({"factors": [1, 2], "draws": 2})
         s.cost = ml_collections.ConfigDict({"rounds": 2, "steps": 1})
-        s.cells = [c for c in cells(32) if c["name"] in ("bert_abs", "tupe_a", "nope",
-                                                         "deberta_v2_no_emd")]
+        s.cells = [c for c in cells(32) if c["name"] in ("bert_abs", "tupe_a", "nope")]
         s.claims = [c for c in claims() if {c["a"], c["b"]} <= {"bert_abs", "tupe_a"}]
         s.base_overrides = overrides({
             **dict(s.base_overrides), "num_steps": 6, "batch_size": 8, "eval_every_steps": 3,

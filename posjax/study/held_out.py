@@ -106,6 +106,16 @@ def _held_out_cores(config: ml_collections.ConfigDict, draws: int
     return _cores_cached(json.dumps(config.data.to_dict(), sort_keys=True, default=str), draws)
 
 
+def _padded(rows: np.ndarray, size: int, key: str) -> np.ndarray:
+    """``rows`` padded to ``size`` rows (one compiled step for every batch): copies of the
+    first row, with no weight on their targets and ``mask`` False."""
+    extra = size - len(rows)
+    if extra <= 0:
+        return rows
+    fill = np.zeros_like(rows[:1]) if key in ("masked_weights", "mask") else rows[:1]
+    return np.concatenate([rows, np.repeat(fill, extra, axis=0)])
+
+
 def evaluate(config: ml_collections.ConfigDict, params: Any, factors: list[int], draws: int,
              batch_size: int = 16) -> dict[str, Any]:
     """Held-out MLM metrics of ``params`` at each factor: ``{str(f): {length, loss, accuracy,
@@ -126,7 +136,8 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, factors: list[int],
             batch = window_batch(tokens, cores[d], length, f, tokenizer.special)
             loss_sum = n = 0.0
             for i in range(0, len(batch["input_ids"]), batch_size):
-                part = {k: jnp.asarray(v[i:i + batch_size]) for k, v in batch.items()}
+                part = {k: jnp.asarray(_padded(v[i:i + batch_size], batch_size, k))
+                        for k, v in batch.items()}
                 r = jax.device_get(step(p, part))
                 loss_sum += float(np.sum(r["loss_sum"]))
                 correct += float(np.sum(r["correct"]))

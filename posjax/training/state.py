@@ -78,15 +78,16 @@ def abstract_state(task: Task, model: nn.Module, tx: optax.GradientTransformatio
 
 def init_state(task: Task, model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
                shardings: TrainState, seed: int) -> TrainState:
-    """Fresh state, initialised inside jit straight onto its shardings (params from ``seed``)."""
+    """Fresh state, initialised inside jit straight onto its shardings (params from ``seed``;
+    the key is an argument, so every seed shares one compiled init)."""
     batch_size = mesh_lib.batch_shards(mesh)
 
-    def init() -> TrainState:
+    def init(key: jax.Array) -> TrainState:
         batch = {k: jnp.asarray(v) for k, v in task.dummy_batch(batch_size).items()}
-        params = nn.unbox(task.init_params(model, jax.random.PRNGKey(seed), batch))
+        params = nn.unbox(task.init_params(model, key, batch))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params))
 
     # Initialisation needs no activation constraints: out_shardings place every array.
     with jax.set_mesh(mesh):
-        return jax.jit(init, out_shardings=shardings)()
+        return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
