@@ -44,6 +44,7 @@ from typing import Any, Callable  # noqa: E402
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 
+from posjax import kernels  # noqa: E402
 from posjax import tpu as tpu_lib  # noqa: E402
 from posjax.training import errors  # noqa: E402
 from posjax.training import mesh as mesh_lib  # noqa: E402
@@ -100,6 +101,7 @@ class Compiled:
     memory: dict[str, int]
     xla_flops: float
     collectives: list[tpu_lib.Collective]
+    kernel_calls: int          # Mosaic (Pallas) kernel calls in the compiled step's HLO
 
 
 def compile_step(training: steps_lib.Training, batch_size: int, devices: int,
@@ -126,8 +128,10 @@ def compile_step(training: steps_lib.Training, batch_size: int, devices: int,
                        + memory["temp"] + memory["generated_code"])
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
     return Compiled(batch_size, seconds, memory, float((cost or {}).get("flops", 0.0)),
-                    tpu_lib.collectives(compiled.as_text(), devices))
+                    tpu_lib.collectives(hlo, devices),
+                    hlo.count('custom_call_target="tpu_custom_call"'))
 
 
 def largest_batch(training: steps_lib.Training, start: Compiled | None, start_batch: int,
@@ -202,7 +206,17 @@ def _chip_time(compiled: Compiled, chip: tpu_lib.Chip, model_flops_per_chip: flo
 def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
          max_batch: bool = False, progress: Progress = print,
          max_batch_tolerance: float = 0.0, max_batch_compiles: int = 16) -> dict[str, Any]:
-    """Compile the run's step for the slice and return the report (``format_report``)."""
+    """Compile the run's step for the slice and return the report (``format_report``). The
+    models are built for TPU (``kernels.compiling_for``): ``attention_impl='auto'`` plans the
+    Pallas kernel where the slice would run it."""
+    with kernels.compiling_for("tpu"):
+        return _plan(config, tpu_name, num_slices, max_batch, progress, max_batch_tolerance,
+                     max_batch_compiles)
+
+
+def _plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int, max_batch: bool,
+          progress: Progress, max_batch_tolerance: float, max_batch_compiles: int
+          ) -> dict[str, Any]:
     validate(config)
     tpu = tpu_lib.parse_slice(tpu_name)
     if not (isinstance(num_slices, int) and num_slices >= 1):
@@ -248,6 +262,7 @@ def plan(config: ml_collections.ConfigDict, tpu_name: str, num_slices: int = 1,
         report["memory_analysis"] = memory
         report["xla_flops_per_chip"] = compiled.xla_flops
         report["collectives"] = [dataclasses.asdict(c) for c in compiled.collectives]
+        report["pallas_kernel_calls"] = compiled.kernel_calls
         report["estimate"] = _chip_time(compiled, tpu.chip, flops / chips)
         report["estimate"]["days_to_num_steps"] = (
             report["estimate"]["step_s_overlapped"] * config.num_steps / 86400)
@@ -343,6 +358,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  total            {_size(pc['total'])} of {_size(chip['hbm_bytes'])} "
                      f"HBM: headroom {_size(pc['headroom'])}")
         lines.append(f"fits: yes (compiled in {report['compile_s']:.1f} s)")
+        if report["pallas_kernel_calls"]:
+            lines.append(f"attention: the Pallas kernel ({report['pallas_kernel_calls']} "
+                         "calls in the step, run per shard)")
     else:
         lines.append(f"fits: NO: {report['error']}")
         lines.append(f"  the TPU compiler needs {_size(report['needed_bytes'])} of "

@@ -130,7 +130,7 @@ def test_largest_batch_brackets_the_limit(monkeypatch, limit, line_limit):
         if batch > limit:
             raise plan_lib.DoesNotFit("RESOURCE_EXHAUSTED", None, None)
         memory = {"total": 1000 + 7 * batch, "temp": 7 * batch}
-        return plan_lib.Compiled(batch, 0.0, memory, 0.0, [])
+        return plan_lib.Compiled(batch, 0.0, memory, 0.0, [], 0)
 
     monkeypatch.setattr(plan_lib, "compile_step", compile_step)
     start = compile_step(None, 64, 1, None) if limit >= 64 else None
@@ -207,3 +207,32 @@ def test_a_study_grid_is_planned_entry_by_entry():
     assert report["grid_days"] == pytest.approx(3 * sum(per_run))
     text = plan_lib.format_study(report)
     assert "4 entries x 3 runs each" in text and "whole grid >=" in text
+
+
+def test_auto_takes_the_pallas_kernel_on_a_sharded_slice():
+    """'auto' on TPU (attention dropout 0, a blocked length, blocks on the (8, 128) tiling)
+    runs the Pallas kernel, per shard of an fsdp × tensor mesh: XLA cannot partition a Mosaic
+    kernel, and without shard_map every multi-chip step failed to compile. Otherwise 'auto'
+    takes the plain-JAX scan, and 'pallas' off the tiling is one error."""
+    import dataclasses
+
+    from posjax import kernels
+    from posjax.models import encoder
+    from posjax.models.config import TextConfig
+
+    config = tiny_text("deberta_v2")
+    config.model.update(attention_impl="auto", attention_dropout_rate=0.0,
+                        blocked_attention_from=32, attention_block_size=128)   # 64 tokens
+    config.mesh = {"data": 1, "fsdp": 2, "tensor": 2}
+    report = plan_lib.plan(config, "v5e:2x2", progress=_quiet)
+    assert report["fits"] and report["pallas_kernel_calls"] >= 1
+    assert "attention: the Pallas kernel" in plan_lib.format_report(report)
+    with kernels.compiling_for("tpu"):
+        cfg = TextConfig(**{k: v for k, v in config.model.items()
+                            if k in {f.name for f in dataclasses.fields(TextConfig)}})
+        assert encoder.attention_kernel(cfg) == "pallas"
+        for off in (dict(attention_dropout_rate=0.1), dict(attention_block_size=32)):
+            assert encoder.attention_kernel(dataclasses.replace(cfg, **off)) == "blocked"
+        with pytest.raises(ValueError, match="attention_block_size=32.*multiple of 128"):
+            dataclasses.replace(cfg, attention_impl="pallas", attention_block_size=32)
+    assert encoder.attention_kernel(cfg) == "blocked"          # built for this CPU

@@ -150,11 +150,15 @@ def _check_attention_impl(c: "TextConfig | ViTConfig", grid_deberta: bool) -> No
                f"the Pallas kernel has no attention dropout (attention_dropout_rate="
                f"{c.attention_dropout_rate}): use 'blocked' or attention_dropout_rate=0")
         if not c.pallas_interpret:
-            import jax   # the backend: known only here, before anything is compiled
-            _check(jax.default_backend() == "tpu", "attention_impl", c.attention_impl,
+            from posjax.kernels import TPU_BLOCK, target_platform   # known only here
+            _check(target_platform() == "tpu", "attention_impl", c.attention_impl,
                    f"the Pallas kernel compiles for TPU only, and this backend is "
-                   f"{jax.default_backend()}: set pallas_interpret=True to run it in Pallas' "
+                   f"{target_platform()}: set pallas_interpret=True to run it in Pallas' "
                    "interpreter (slow; for checking its numbers), or use 'blocked'")
+            _check(c.attention_block_size % TPU_BLOCK == 0, "attention_block_size",
+                   c.attention_block_size, f"the Pallas kernel on TPU takes blocks of a "
+                   f"multiple of {TPU_BLOCK} tokens (the TPU's (8, 128) tiling): use "
+                   f"{TPU_BLOCK}, 256, 512, ...")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 from posjax.layers.attention import ACTIVATIONS, MultiHeadAttention, Mlp, layer_norm
 from posjax.layers.disentangled import DisentangledAttention
 from posjax.layers.dropout import Dropout
+from posjax import kernels
 from posjax.layers import blocked, positions
 from posjax.layers.position_bias import T5RelativeBias, TupePositionBias, alibi_bias
 from posjax.models.config import TextConfig, ViTConfig
@@ -53,10 +54,12 @@ def has_conv(cfg: Config) -> bool:
 def attention_kernel(cfg: Config) -> str:
     """What runs the memory-bounded path (``posjax.kernels.attention_fn``): the Pallas kernel
     for ``attention_impl='pallas'``, and for 'auto' on a TPU while attention dropout is off
-    (interpreted with ``pallas_interpret``); else the plain-JAX scan ('blocked')."""
+    and the blocks fit the TPU's tiling (``kernels.TPU_BLOCK``) (interpreted with
+    ``pallas_interpret``); else the plain-JAX scan ('blocked')."""
     pallas = cfg.attention_impl == "pallas" or (
         cfg.attention_impl == "auto" and cfg.attention_dropout_rate == 0
-        and jax.default_backend() == "tpu")
+        and cfg.attention_block_size % kernels.TPU_BLOCK == 0
+        and kernels.target_platform() == "tpu")
     return ("pallas_interpret" if cfg.pallas_interpret else "pallas") if pallas else "blocked"
 
 
