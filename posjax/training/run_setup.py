@@ -87,6 +87,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
             training: bool) -> Run:
     """Validate everything and build the run's objects (abstract only: nothing compiled)."""
     workdir = storage.as_path(workdir, "--workdir")
+    storage.check_credentials(workdir, "--workdir")
     processes.check_same_software()
     processes.check_same_config(config)   # first: else one process may fail alone on its own config
     task = make_task(config)
