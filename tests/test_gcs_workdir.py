@@ -68,6 +68,11 @@ def test_train_stop_resume_evaluate_on_a_bucket(workdir, tmp_path):
     assert result["step"] == 6
     saved = json.loads(_read(f"{workdir}/checkpoints/eval_6_test.json"))
     assert saved["step"] == 6 and saved["accuracy"] == pytest.approx(result["accuracy"])
+    # init_from a run in a bucket: its newest committed step's weights, as they are
+    pretrained = syn.tiny_config()
+    pretrained.init_from = workdir
+    from_bucket = evaluator.evaluate(pretrained, tmp_path / "from_bucket")
+    assert from_bucket["step"] == 0 and from_bucket["accuracy"] == result["accuracy"]
     # The stopped and resumed run ends as an uninterrupted one in a local folder.
     local = trainer.train(config, tmp_path / "local")
     assert local.eval == second.eval

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from posjax import checkpoint_io
-from posjax.io_utils import local_path, read_json_object
+from posjax import checkpoint_io, storage
+from posjax.io_utils import read_json_object
 from posjax.layers.positions import resample_position_table
 from posjax.models import params as params_lib
 from posjax.models.config import stem_stride
@@ -32,12 +32,15 @@ from posjax.training.state import TrainState
 def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """(orbax checkpoint holding a top-level ``params`` tree, its model-config JSON) for
     ``init_from``: a converter folder (``params/`` + ``model_config.json``) or a train.py
-    workdir (the latest ``checkpoints/<step>/state`` + ``config.json``)."""
-    root = local_path(path, "init_from")
+    workdir (the latest ``checkpoints/<step>/state`` + ``config.json``), local or ``gs://``."""
+    root = storage.as_path(path, "init_from")
+    storage.check_credentials(root, "init_from")
     if (root / "params").is_dir():
         return root / "params", root / "model_config.json"
+    # On a bucket Orbax saves in place: a step is whole once its commit_success.txt exists.
     steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*")
-                   if p.name.isdigit() and (p / "state").is_dir())
+                   if p.name.isdigit() and (p / "state").is_dir() and (
+                       not storage.is_bucket(root) or (p / "commit_success.txt").exists()))
     if steps:
         return root / "checkpoints" / str(steps[-1]) / "state", root / "config.json"
     published = root.suffix == ".npz" or ((root / "config.json").is_file() and any(

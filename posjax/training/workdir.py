@@ -110,7 +110,7 @@ def check_init_from_data(config: ml_collections.ConfigDict,
     changed) is refused; an edited one is named in a warning."""
     if not config.init_from or not data_identity:
         return
-    source = local_path(config.init_from, "init_from")
+    source = storage.as_path(config.init_from, "init_from")
     different = identity_lib.difference(identity_lib.read(source), data_identity)
     if different is None:
         return
