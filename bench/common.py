@@ -268,3 +268,14 @@ def _cpu_description(cpuinfo: str | None = None) -> dict[str, str]:
         info["cpu_simd"] = (" ".join(f for f in SIMD_FLAGS if f in flags)
                             or "none of " + " ".join(SIMD_FLAGS))
     return info
+
+
+def write_between_markers(doc: "os.PathLike[str]", name: str, text: str) -> None:
+    """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in the
+    Markdown file ``doc`` with ``text`` (the markers are appended when absent)."""
+    import pathlib   # noqa: PLC0415
+    path = pathlib.Path(doc)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    head, _, rest = path.read_text().partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")

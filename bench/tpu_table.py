@@ -24,6 +24,7 @@ import time  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import write_between_markers  # noqa: E402
 from posjax import plan as plan_lib  # noqa: E402
 
 SLICES = ("v4-32", "v5e-256", "v5p-128", "v6e-64")
@@ -133,11 +134,7 @@ def main() -> None:
     text = table(results)
     print(text)
     if args.doc:
-        begin, end = "<!-- tpu_table:begin -->", "<!-- tpu_table:end -->"
-        doc = args.doc.read_text()
-        head, _, rest = doc.partition(begin)
-        _, _, tail = rest.partition(end)
-        args.doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+        write_between_markers(args.doc, "tpu_table", text)
 
 
 if __name__ == "__main__":
