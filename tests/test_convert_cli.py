@@ -217,3 +217,45 @@ def test_the_vocabulary_of_an_imported_folder_guards_init_from(tmp_path):
                 f"'{tmp_path / 'ckpt'}' came with (the tokenizer files of the folder they were "
                 "converted from; 100% of the ids stand for other tokens)")):
             workdir_lib.check_init_from_data(config, run_identity)
+
+
+def test_hf_to_a_bucket_all_or_nothing(hf_mlm, emulator, monkeypatch, capsys):
+    """--to gs://: the folder is uploaded with model_config.json last; restored from the bucket
+    it equals the local conversion; an existing destination is refused; an upload that fails
+    part-way leaves no object; a params/ without model_config.json is refused by init_from."""
+    import uuid
+
+    import gcsfs
+
+    from posjax import storage
+    from posjax.training import init_from
+
+    dest = f"{emulator}/converted-{uuid.uuid4().hex[:8]}"
+    assert main(["--from", str(hf_mlm), "--to", dest]) == 0
+    files = storage.files(dest)
+    assert "model_config.json" in files and any(f.startswith("params/") for f in files)
+    restored = ocp.StandardCheckpointer().restore(storage.as_path(dest) / "params")
+    jax.tree.map(np.testing.assert_array_equal, restored, {"params": load_pretrained(
+        hf_mlm).params})
+    assert init_from.pretrained_location(dest)[1].name == "model_config.json"
+    assert main(["--from", str(hf_mlm), "--to", dest]) == 2
+    assert "already holds objects" in capsys.readouterr().err
+
+    fs = gcsfs.GCSFileSystem()   # fsspec hands every caller this one cached instance
+    put, calls = fs.put_file, []
+
+    def failing_put(lpath, rpath, *args, **kwargs):
+        calls.append(rpath)
+        if len(calls) == 3:
+            raise OSError("connection reset (injected)")
+        return put(lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "put_file", failing_put)
+    cut = f"{emulator}/cut-{uuid.uuid4().hex[:8]}"
+    assert main(["--from", str(hf_mlm), "--to", cut]) == 1
+    assert "injected) (nothing was written to" in capsys.readouterr().err
+    assert len(calls) == 3 and storage.files(cut) == []
+    monkeypatch.undo()
+    storage.write_atomically(f"{cut}/params/_METADATA", b"{}")   # a params/ alone
+    with pytest.raises(ValueError, match="upload cut short"):
+        init_from.pretrained_location(cut)

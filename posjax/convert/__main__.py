@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:   # a read or write that failed (disk, network): nothing was left
+        print(f"error: {e} (nothing was written to {args.dest})", file=sys.stderr)
+        return 1
     count = sum(int(np.size(x)) for x in jax.tree.leaves(pre.params))
     print(f"wrote {dest} ({args.format}): kind={pre.kind} task={pre.task} "
           f"scheme={pre.config.position_scheme} params={count:,}")

@@ -36,6 +36,10 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
     root = storage.as_path(path, "init_from")
     storage.check_credentials(root, "init_from")
     if (root / "params").is_dir():
+        if storage.is_bucket(root) and not (root / "model_config.json").exists():
+            raise ValueError(f"init_from={str(path)!r}: params/ without model_config.json, an "
+                             "upload cut short (posjax.convert uploads that file last): "
+                             "convert again to a new folder")
         return root / "params", root / "model_config.json"
     # On a bucket Orbax saves in place: a step is whole once its commit_success.txt exists.
     steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*")
