@@ -4,7 +4,7 @@ targets scored at L, 2L and 4L, and synthetic position tasks (STUDY.md).
 
     python -m posjax.study --config configs/study_text.py --workdir studies/text        # CPU scale
     python -m posjax.study --config configs/study_text.py:tiny --workdir /tmp/text      # the test
-    python -m posjax.study --config configs/study_text.py:paper --workdir gs://.../study  # BERT-base
+    python -m posjax.study --config configs/study_text.py:paper --workdir /mnt/disk/study  # BERT-base
 
 Every entry is one line of ``cells``: (name, position scheme, the scheme's own model fields).
 Every other setting is the base model's, the same for every entry (token types off, LayerNorm

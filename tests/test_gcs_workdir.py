@@ -183,3 +183,39 @@ def test_no_credentials_is_one_error_before_anything_runs(tmp_path):
                               "credentials found"), done.stderr[-2000:]
     assert "gcloud auth application-default login" in err[-1]
     assert "Traceback" not in done.stderr and "compil" not in done.stdout + done.stderr
+
+
+def test_two_processes_train_on_a_bucket_and_stop_together_when_the_lease_is_lost(
+        workdir, tmp_path):
+    """2 gloo processes, one gs:// workdir: process 1 given another bucket folder is refused
+    by both before anything is written; on the same folder they train and save, and when
+    process 0's lease is taken over (train.lock overwritten) both stop at the next save with
+    the lease error (process 1 hears it from process 0), not process 0 alone while process 1
+    waits in Orbax's barrier."""
+    import test_multiprocess as mp
+
+    other = workdir + "-other"
+    results = mp.launch(workdir, tmp_path, "unshared", extra_flags={1: [f"--workdir={other}"]})
+    for i, (out, code) in enumerate(results):
+        assert code != 0 and f"process {i}: error: workdir " in out, out[-3000:]
+        assert "the processes were given other workdirs" in out, out[-3000:]
+    assert _names(workdir) == [] and _names(other) == []
+
+    overrides = {**mp.OVERRIDES, "num_steps": 4000, "log_every_steps": 10,
+                 "checkpoint.every_steps": 40}
+    logs = [tmp_path / f"lease_{i}.log" for i in range(2)]
+    flags = [f"--config.{k}={v}" for k, v in {**overrides, **mp.MULTI}.items()]
+    procs, copiers = mp.start(workdir, logs, "configs/vit_digits.py:tiny", flags)
+    try:
+        while procs[0].poll() is None and "step 40/4000 " not in logs[0].read_text():
+            time.sleep(0.05)
+        storage.write_atomically(f"{workdir}/train.lock", b"{}")   # another run took it over
+    except BaseException:
+        mp.stop_all(procs, copiers)
+        raise
+    codes = mp.wait_all(procs, copiers)
+    for i, (log, code) in enumerate(zip(logs, codes)):
+        out = log.read_text()
+        assert code != 0 and "lost its lease on the workdir" in out, out[-3000:]
+        assert "step 4000/4000 " not in out, out[-3000:]
+    assert "checkpoints/40/commit_success.txt" in _names(workdir)

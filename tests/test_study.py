@@ -426,3 +426,12 @@ def test_beyond_nope_verdicts_need_two_paired_seeds():
     assert verdicts["bad"]["verdict"] == "worse than NoPE"
     assert verdicts["one"]["verdict"] == "undecidable: 1 paired seed (a test needs 2)"
     assert verdicts["none"]["verdict"] == "undecidable: 0 paired seeds (a test needs 2)"
+
+
+def test_a_bucket_workdir_is_refused(tmp_path, monkeypatch, capsys):
+    """A study's workdir is local: a gs:// URL is one error, not a folder named 'gs:'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", TEXT + ":tiny", "--workdir", "gs://bucket/study"])
+    assert e.value.code == 2 and "a study's workdir is a local folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

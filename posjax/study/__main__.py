@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (study overrides are "
                      "--config.KEY=VALUE)")
+    if "://" in args.workdir:   # a URL would become a local folder named 'gs:' (pathlib)
+        parser.error(f"--workdir {args.workdir}: a study's workdir is a local folder (its "
+                     "cells' checkpoints, results/ and the report); run it on a disk and copy "
+                     "results/ to the bucket afterwards")
     root = pathlib.Path(args.workdir).absolute()
     if not args.report and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # Seeds 2.. of a cell run the programs seed 1 compiled: keep them (under cells/).

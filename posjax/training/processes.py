@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
+from posjax import storage
 from posjax.data import identity as identity_lib
 from posjax.training import hosts
 from posjax.training import init_from as init_from_lib
@@ -107,6 +108,15 @@ def check_shared_workdir(workdir: pathlib.Path, name: str | None = None) -> None
     absent (NFS keeps a lookup that found nothing for up to a minute, e.g. of ``train.lock``
     after the last run removed it)."""
     if not hosts.several():
+        return
+    if storage.is_bucket(workdir):   # one store for every process: the same URL is the same
+        urls = hosts.gather(os.fspath(workdir))
+        if others := [i for i, url in enumerate(urls) if url != urls[0]]:
+            raise ValueError(
+                f"workdir {os.fspath(workdir)!r}: the processes were given other workdirs "
+                f"(process 0: {urls[0]!r}; " + ", ".join(f"process {i}: {urls[i]!r}"
+                                                        for i in others)
+                + "): give every process the same --workdir")
         return
     probe = name is None
     if probe and jax.process_index() == 0:

@@ -148,7 +148,7 @@ class Checkpointer:
         this save may rotate out older steps (``keep``). A lost lease on a bucket workdir
         raises SaveFailed (``lock.check_held``)."""
         if force or self.due(step):
-            lock.check_held()
+            lock.check_held(storage.is_bucket(self.directory))
             if self._pending is not None:
                 self.wait()
             self.wait_for_record()

@@ -28,6 +28,7 @@ from typing import Iterator
 
 from posjax import storage
 from posjax.io_utils import SaveFailed
+from posjax.training import hosts
 
 LOCK_FILE = storage.LOCK_FILE
 # A bucket's lease (``storage.bucket_lease``): renewed every LEASE_RENEW_S, expiring
@@ -36,10 +37,15 @@ LEASE_RENEW_S, LEASE_EXPIRE_S = 10.0, 30.0
 _lease_lost: threading.Event | None = None   # set once this process's bucket lease is lost
 
 
-def check_held() -> None:
+def check_held(bucket: bool = False) -> None:
     """SaveFailed once this run's lease on its bucket workdir is lost (taken over by another
-    run after it went unrenewed for LEASE_EXPIRE_S): it must not write there any more."""
-    if _lease_lost is not None and _lease_lost.is_set():
+    run after it went unrenewed for LEASE_EXPIRE_S): it must not write there any more. With
+    several processes on a ``bucket`` every process calls it at the same step (a save) and
+    learns process 0's lease (one all-gather), so that all of them stop there together."""
+    lost = _lease_lost is not None and _lease_lost.is_set()
+    if bucket and hosts.several():
+        lost = any(hosts.gather(lost))
+    if lost:
         raise SaveFailed("this run lost its lease on the workdir (train.lock was not renewed "
                          f"for {LEASE_EXPIRE_S:.0f} s, or another run took it over): stopped "
                          "before writing more; make sure no other run trains there, then start "
