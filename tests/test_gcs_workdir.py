@@ -105,15 +105,16 @@ def test_a_partial_save_is_removed_and_a_damaged_step_moved_aside(workdir):
     assert _train_steps(workdir) == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_second_run_is_refused_naming_the_holder(workdir, monkeypatch):
-    from posjax.training.checkpointing import lock
-    monkeypatch.setattr(lock, "LEASE_RENEW_S", 0.2)
-    monkeypatch.setattr(lock, "LEASE_EXPIRE_S", 0.6)
+def test_a_second_run_is_refused_naming_the_holder(workdir):
+    """Refused as soon as the holder is seen renewing its lease (alive), not after the
+    30 s + 10 s a lease of a run killed moments ago is waited for."""
     with storage.bucket_lease(workdir, renew_s=0.2, expire_s=0.6) as lost:   # another run
         holder = json.loads(_read(f"{workdir}/train.lock"))
+        start = time.monotonic()
         with pytest.raises(ValueError, match=rf"in use by another training run \(pid "
                                              rf"{holder['pid']} on host {holder['host']}"):
             trainer.train(syn.tiny_config(num_steps=2), workdir)
+        assert time.monotonic() - start < 10
         assert not lost.is_set(), "the holder kept its lease"
     assert "checkpoints/2/commit_success.txt" not in _names(workdir)
 

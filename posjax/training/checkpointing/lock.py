@@ -56,16 +56,21 @@ def check_held(bucket: bool = False) -> None:
 def _bucket_lease(workdir: os.PathLike) -> Iterator[None]:
     """``storage.bucket_lease`` on ``workdir``; a lease renewed less than LEASE_EXPIRE_S ago
     is tried again until that long has passed (a run killed moments ago, whose lease no one
-    renews, is then taken over; a live holder's renewals refuse this run)."""
+    renews, is then taken over); a holder seen renewing it meanwhile is alive, and this run is
+    refused then (within LEASE_RENEW_S)."""
     global _lease_lost
     deadline, waiting, lost = time.monotonic() + LEASE_EXPIRE_S + LEASE_RENEW_S, False, None
+    record, first_seen = f"{os.fspath(workdir).rstrip('/')}/{LOCK_FILE}", None
     with contextlib.ExitStack() as held:
         while lost is None:
             try:
                 lost = held.enter_context(
                     storage.bucket_lease(workdir, LEASE_RENEW_S, LEASE_EXPIRE_S))
             except ValueError:
-                if time.monotonic() >= deadline:
+                found = storage.read_with_generation(record)
+                generation = found[1] if found else None
+                first_seen = first_seen or generation
+                if time.monotonic() >= deadline or generation not in (first_seen, None):
                     raise
                 if not waiting:
                     logging.warning("workdir %s: its lease is held; trying again for up to "
