@@ -257,5 +257,5 @@ def test_hf_to_a_bucket_all_or_nothing(hf_mlm, emulator, monkeypatch, capsys):
     assert len(calls) == 3 and storage.files(cut) == []
     monkeypatch.undo()
     storage.write_atomically(f"{cut}/params/_METADATA", b"{}")   # a params/ alone
-    with pytest.raises(ValueError, match="upload cut short"):
+    with pytest.raises(ValueError, match="an upload cut short"):
         init_from.pretrained_location(cut)

@@ -185,22 +185,21 @@ def test_a_host_with_other_init_from_weights_is_one_error(tmp_path, monkeypatch)
     """The fingerprint of a converter-style folder: equal for a copy, different for another
     checkpoint (other file names or sizes) or none; a difference between processes is one
     error naming init_from."""
-    from posjax.training import init_from as init_from_lib
     source = tmp_path / "ckpt"
     (source / "params" / "d").mkdir(parents=True)
     (source / "params" / "d" / "a1b2").write_bytes(b"x" * 100)
     (source / "params" / "_METADATA").write_text("{}")
     (source / "model_config.json").write_text('{"hidden_size": 16}')
-    fingerprint = init_from_lib.init_from_fingerprint(source)
+    fingerprint = processes.init_from_fingerprint(source)
     shutil.copytree(source, tmp_path / "copy")
-    assert init_from_lib.init_from_fingerprint(tmp_path / "copy") == fingerprint
+    assert processes.init_from_fingerprint(tmp_path / "copy") == fingerprint
     (tmp_path / "copy" / "model_config.json").write_text('{"hidden_size": 32}')
-    assert init_from_lib.init_from_fingerprint(tmp_path / "copy") != fingerprint
+    assert processes.init_from_fingerprint(tmp_path / "copy") != fingerprint
     shutil.copytree(source, tmp_path / "other")
     data = tmp_path / "other" / "params" / "d"
     (data / "a1b2").rename(data / "c3")   # another save: its files are named afresh
-    assert init_from_lib.init_from_fingerprint(tmp_path / "other") != fingerprint
-    assert init_from_lib.init_from_fingerprint(tmp_path / "missing") is None
+    assert processes.init_from_fingerprint(tmp_path / "other") != fingerprint
+    assert processes.init_from_fingerprint(tmp_path / "missing") is None
 
     def change(value):
         value["init_from"] = None   # process 1 has no checkpoint under that path

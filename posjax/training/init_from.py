@@ -9,7 +9,6 @@ checks made before anything is compiled are in ``init_from_checks``.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import pathlib
@@ -35,44 +34,29 @@ def pretrained_location(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib
     workdir (the latest ``checkpoints/<step>/state`` + ``config.json``), local or ``gs://``."""
     root = storage.as_path(path, "init_from")
     storage.check_credentials(root, "init_from")
+    # On a bucket Orbax saves a step in place and ends it with commit_success.txt, and
+    # posjax.convert uploads model_config.json last: without them, an upload cut short.
+    bucket = storage.is_bucket(root)
     if (root / "params").is_dir():
-        if storage.is_bucket(root) and not (root / "model_config.json").exists():
-            raise ValueError(f"init_from={str(path)!r}: params/ without model_config.json, an "
-                             "upload cut short (posjax.convert uploads that file last): "
-                             "convert again to a new folder")
+        if bucket and not (root / "model_config.json").exists():
+            raise ValueError(f"init_from={str(path)!r}: params/ without model_config.json (an "
+                             "upload cut short): convert again to a new folder")
         return root / "params", root / "model_config.json"
-    # On a bucket Orbax saves in place: a step is whole once its commit_success.txt exists.
-    steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*")
-                   if p.name.isdigit() and (p / "state").is_dir() and (
-                       not storage.is_bucket(root) or (p / "commit_success.txt").exists()))
+    steps = sorted(int(p.name) for p in (root / "checkpoints").glob("*") if p.name.isdigit()
+                   and (p / "state").is_dir() and (not bucket or (p / "commit_success.txt")
+                                                   .exists()))
     if steps:
         return root / "checkpoints" / str(steps[-1]) / "state", root / "config.json"
     published = root.suffix == ".npz" or ((root / "config.json").is_file() and any(
-        (root / name).is_file() for name in ("model.safetensors", "pytorch_model.bin",
-                                               "model.safetensors.index.json",
-                                               "pytorch_model.bin.index.json")))
+        (root / f"{name}{index}").is_file() for name in ("model.safetensors",
+                                                          "pytorch_model.bin")
+        for index in ("", ".index.json")))
     convert = (f": it looks like published weights (a Hugging Face folder or an .npz); convert "
                f"them first, python -m posjax.convert --from {str(path)} --to CKPT, then give "
                "init_from=CKPT" if published else "")
     raise ValueError(f"init_from={str(path)!r}: neither a converter folder (params/ + "
                      "model_config.json) nor a train.py workdir with checkpoints/<step>/state"
                      + convert)
-
-
-def init_from_fingerprint(path: str | pathlib.Path) -> str | None:
-    """A digest of what ``init_from`` holds (``pretrained_location``): the names and sizes of
-    the checkpoint's files (Orbax names data files afresh at each save, so another checkpoint
-    of the same model shows) and the model config. None when there is no such checkpoint."""
-    try:
-        params_dir, cfg_file = pretrained_location(path)
-    except ValueError:
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(f for f in params_dir.rglob("*") if f.is_file()):
-        digest.update(f"{file.relative_to(params_dir)}\0{file.stat().st_size}\0".encode())
-    if cfg_file.is_file():
-        digest.update(cfg_file.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def saved_tree(path: str | pathlib.Path, params_dir: pathlib.Path) -> dict[str, Any]:

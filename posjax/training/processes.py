@@ -188,12 +188,28 @@ def check_same_splits(pipelines: dict[str, Any]) -> None:
         lambda split, n, first: f"its data.{split}_split has {n} examples (process 0: {first})")
 
 
+def init_from_fingerprint(path: str | pathlib.Path) -> str | None:
+    """A digest of what ``init_from`` holds (``pretrained_location``): the names and sizes of
+    the checkpoint's files (Orbax names data files afresh at each save, so another checkpoint
+    of the same model shows) and the model config. None when there is no such checkpoint."""
+    try:
+        params_dir, cfg_file = init_from_lib.pretrained_location(path)
+    except ValueError:
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(f for f in params_dir.rglob("*") if f.is_file()):
+        digest.update(f"{file.relative_to(params_dir)}\0{file.stat().st_size}\0".encode())
+    if cfg_file.is_file():
+        digest.update(cfg_file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def check_same_init_from(path: str) -> None:
     """Every process must read the same weights from ``init_from`` (``path``) as process 0
-    (``state.init_from_fingerprint``): a host with its own copy of another checkpoint under
+    (``init_from_fingerprint``): a host with its own copy of another checkpoint under
     that path would load other parameters into its shards of the one model."""
     check_agree(
-        lambda: {"init_from": init_from_lib.init_from_fingerprint(path)}, "read different data",
+        lambda: {"init_from": init_from_fingerprint(path)}, "read different data",
         "Give every host the same copy of the weights (or keep them on a file system every "
         "host mounts), and start from a run's checkpoints only once it has stopped saving.",
         lambda key, mine, first: f"init_from={path!r} holds other weights than process 0's "
