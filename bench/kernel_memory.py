@@ -37,6 +37,7 @@ from bench.common import write_between_markers  # noqa: E402
 from posjax import plan as plan_lib  # noqa: E402
 from posjax import tpu as tpu_lib  # noqa: E402
 from posjax.models.config import TextConfig  # noqa: E402
+from posjax.models import schemes as schemes_lib  # noqa: E402
 from posjax.models.text import TextEncoder  # noqa: E402
 from posjax.training import mesh as mesh_lib  # noqa: E402
 
@@ -51,7 +52,7 @@ BLOCK = 512                                        # TextConfig's default attent
 
 def layer_config(scheme: str, length: int, impl: str, block: int = BLOCK) -> TextConfig:
     extra = {}
-    if scheme == "deberta_v2":          # DeBERTa-v3: 256 log buckets over a 512 span
+    if schemes_lib.SCHEMES[scheme].disentangled:   # DeBERTa-v3: 256 log buckets over a 512 span
         extra = dict(max_relative_positions=512, position_buckets=256, use_emd=False,
                      position_biased_input=False)
     return TextConfig(position_scheme=scheme, vocab_size=128, hidden_size=768, num_heads=12,
