@@ -80,6 +80,35 @@ def _as_cloud_storage_does(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(objects, "insert", replace[objects.insert])   # the router's fallback
 
 
+def refuse_uploads(patch: pytest.MonkeyPatch, refused, status: int = 403,
+                   reason: str = "quotaExceeded") -> None:
+    """From now on the emulator answers an upload of an object whose name ``refused(name)``
+    holds with ``status`` and Cloud Storage's error body (a bucket over its quota, a billing
+    account disabled, a permission revoked mid-run)."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    def wrap(handler):
+        def handle(request, response, store, *args, **kwargs):
+            name = request.query.get("name", [""])[0]
+            if not name and isinstance(request.data, dict):   # multipart: in its metadata
+                name = request.data.get("meta", {}).get("name", "")
+            if name and refused(name):
+                response.status = HTTPStatus(status)
+                return response.json({"error": {"code": status, "message": f"{reason}: "
+                                      f"the upload of {name} is refused", "errors": [
+                                          {"reason": reason, "domain": "usageLimits"}]}})
+            return handler(request, response, store, *args, **kwargs)
+        return handle
+
+    insert = objects.insert
+    for _, handlers in server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is insert:
+                patch.setitem(handlers, method, wrap(handler))
+    patch.setattr(objects, "insert", wrap(insert))
+
+
 def emulator_bucket():
     """A bucket on gcp-storage-emulator (in memory, a thread of this process), with
     STORAGE_EMULATOR_HOST pointing at it."""

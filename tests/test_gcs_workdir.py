@@ -220,3 +220,90 @@ def test_two_processes_train_on_a_bucket_and_stop_together_when_the_lease_is_los
         assert code != 0 and "lost its lease on the workdir" in out, out[-3000:]
         assert "step 4000/4000 " not in out, out[-3000:]
     assert "checkpoints/40/commit_success.txt" in _names(workdir)
+
+
+def test_a_bucket_that_refuses_writes_is_one_error_naming_the_step(workdir, monkeypatch):
+    """The bucket refuses step 4's objects (403 quotaExceeded: over quota, billing disabled,
+    permission revoked) while the run saves in the background: the run stops with one
+    SaveFailed naming step 4, the bucket's answer and the intact step 2; the next run, once
+    the bucket takes writes again, resumes from step 2 to the uninterrupted end."""
+    import gcs_emulator
+    from posjax.io_utils import SaveFailed
+    config = syn.tiny_config()
+    with monkeypatch.context() as refusing:
+        gcs_emulator.refuse_uploads(refusing, lambda name: "/checkpoints/4/" in name)
+        with pytest.raises(SaveFailed) as failed:
+            trainer.train(config, workdir)
+    message = str(failed.value)
+    assert message.startswith(f"the checkpoint of step 4 could not be written in "
+                              f"{workdir}/checkpoints ("), message
+    assert "Forbidden" in message and "\n" not in message, message   # gcsfs drops the reason
+    assert "write access to the bucket (its quota, billing, permissions)?" in message, message
+    assert message.endswith("The checkpoints saved before are intact (the latest: step 2); "
+                            "fix the storage, then start this run again to resume from there")
+    assert "train.lock" not in _names(workdir), "the lease is released"
+    result = trainer.train(config, workdir)
+    assert (result.start, result.step) == (2, 6)
+    assert _train_steps(workdir)[-4:] == [3, 4, 5, 6]
+
+
+SHORT_LEASE = """
+import runpy, sys
+from posjax.training.checkpointing import lock
+lock.LEASE_RENEW_S, lock.LEASE_EXPIRE_S = 0.5, 2.0   # a killed run's lease expires in 2 s
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_run_killed_mid_save_on_a_bucket_resumes_as_the_uninterrupted_run(workdir, tmp_path):
+    """train.py killed with SIGKILL while a step's objects are being uploaded (a step folder
+    without commit_success.txt, an earlier step committed): the rerun takes the dead run's
+    lease over, removes the partial step, resumes from the last committed one and ends as
+    the uninterrupted run in a local folder (the same loss at every step, each logged once;
+    the same final eval)."""
+    from jax_env import xla_flags
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", SHORT_LEASE, "train.py", "--config",
+            "configs/vit_digits.py:tiny", "--config.num_steps=40",
+            "--config.checkpoint.every_steps=4", "--config.log_every_steps=1"]
+    log = tmp_path / "killed.log"
+    with log.open("w") as out:
+        victim = subprocess.Popen([*args, f"--workdir={workdir}"], cwd=ROOT, env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    partial = None
+    try:
+        deadline = time.monotonic() + 240
+        while victim.poll() is None and partial is None and time.monotonic() < deadline:
+            names = _names(f"{workdir}/checkpoints")
+            steps = {n.split("/")[0] for n in names if n.split("/")[0].isdigit()}
+            committed = {s for s in steps if f"{s}/commit_success.txt" in names}
+            if committed and steps - committed:
+                partial = max(steps - committed, key=int)
+                victim.kill()
+            time.sleep(0.01)
+    finally:
+        victim.kill()
+        victim.wait()
+    assert partial is not None, "no save was seen in flight:\n" + log.read_text()[-3000:]
+    assert "final eval" not in log.read_text()
+
+    def run(target: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*args, f"--workdir={target}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    resumed = run(workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "final eval at step 40" in resumed.stdout
+    straight = run(str(tmp_path / "local"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert _train_steps(workdir) == list(range(1, 41)), "every step logged once"
+    assert (_losses(_read(f"{workdir}/metrics.jsonl").decode())
+            == _losses((tmp_path / "local" / "metrics.jsonl").read_text()))
+    assert (json.loads(_read(f"{workdir}/checkpoints/eval_40_test.json"))["accuracy"]
+            == json.loads((tmp_path / "local/checkpoints/eval_40_test.json").read_text())[
+                "accuracy"])
+    names = _names(f"{workdir}/checkpoints")
+    assert f"{partial}/commit_success.txt" in names or not any(
+        n.startswith(f"{partial}/") for n in names)   # saved again by the rerun, or gone
+    assert "train.lock" not in _names(workdir)

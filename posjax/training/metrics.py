@@ -9,6 +9,7 @@ Files under the workdir (written by process 0 only):
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -106,10 +107,15 @@ class MetricWriter:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        """Closed when the block ends without an error; after one (a full disk: closing would
-        fail again, over it) the records stay as written, each flushed."""
+        """Closed; after an error, quietly (a full disk: closing fails again, and must not
+        replace the error; the records stay as written, each flushed). A TensorBoard file
+        left open on a bucket would upload itself when collected, possibly after its
+        storage is gone, and retry for two minutes."""
         if exc_type is None:
             self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 class EventFile:

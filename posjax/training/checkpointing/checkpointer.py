@@ -210,9 +210,11 @@ class Checkpointer:
         kept = (f"The checkpoints saved before are intact (the latest: step {latest}); fix "
                 "the storage, then start this run again to resume from there" if latest is not
                 None else "No checkpoint was complete yet; fix the storage, then start again")
+        asked = ("does this account still have write access to the bucket (its quota, "
+                 "billing, permissions)?" if storage.is_bucket(self.directory) else
+                 "is the disk full, or the folder no longer writable?")
         return SaveFailed(f"the checkpoint of step {failed} could not be written in "
-                          f"{self.directory} ({checkpoint_io.root_cause(error)}): is the disk "
-                          f"full, or the folder no longer writable? {kept}")
+                          f"{self.directory} ({checkpoint_io.root_cause(error)}): {asked} {kept}")
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
