@@ -6,7 +6,7 @@ spans are not rendered as links). ``http(s)://`` and ``mailto:`` targets and pur
 links are left alone. The path is taken relative to the linking file and must name an
 existing file or folder; ``file.md#anchor`` must also name a heading of that file, slugged as
 GitHub does (lower-case; punctuation dropped except '-' and '_'; each space a '-'; a repeated
-heading gets '-1', '-2', ...).
+heading gets '-1', '-2', ...). And every test docs/guarantees.md names exists.
 """
 from __future__ import annotations
 
@@ -118,3 +118,13 @@ def test_relative_links_resolve(doc: pathlib.Path) -> None:
     assert doc.is_file(), f"{doc} is missing"
     broken = broken_links(doc)
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_test_the_guarantees_name_exists() -> None:
+    """docs/guarantees.md names the test behind each guarantee (``file.py::test_name`` or
+    ``::test_name``): each is a test function defined in tests/."""
+    text = (ROOT / "docs" / "guarantees.md").read_text()
+    named = set(re.findall(r"::(test_\w+)", text))
+    defined = {m for path in (ROOT / "tests").glob("test_*.py")
+               for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
+    assert len(named) > 40 and named <= defined, sorted(named - defined)
