@@ -1,7 +1,7 @@
 """What saving costs the training thread: posjax's ``Checkpointer`` at two revisions, side by side.
 
     python -m bench.save_path [--before REV|DIR] [--size deberta-v3-base|small]
-                              [--saves N] [--steps-per-save K] [--rounds R]
+                              [--saves N] [--steps-per-save K] [--rounds R] [--bucket gs://B/P]
 
 A train state of the size of DeBERTa-v3-base's (184M parameters and AdamW's two moments: 2.2 GB
 of fp32) is saved every K steps of a stand-in step (a jitted fp32 matmul chain of ~0.2 s: real
@@ -9,7 +9,10 @@ work on the same cores, so anything a save does in the background competes with 
 run). Timed on the training thread: each ``save`` call, each ``check_background_save`` after a
 step, and the final ``close`` (the last save's wait). ``before`` is posjax at REV (default
 HEAD; imported from a copy, as ``bench.ab`` does), ``after`` the working tree; rounds alternate
-which goes first.
+which goes first. With ``--bucket``, the working tree saving to a local folder (``local``) and
+to that Cloud Storage folder (``bucket``: Orbax writes in place, the integrity record downloads
+every object for its CRC-32) side by side instead; on the emulator, start
+``python tests/gcs_emulator.py`` in another process and export STORAGE_EMULATOR_HOST.
 """
 from __future__ import annotations
 
@@ -66,13 +69,22 @@ def stand_in_step() -> Any:
     return step, x
 
 
-def run_variant(package: Any, workdir: pathlib.Path, state: Any, saves: int,
+def _remove(workdir: Any) -> None:
+    if str(workdir).startswith("gs://"):
+        from posjax import storage
+        if (folder := storage.as_path(workdir)).exists():
+            folder.rmtree()
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_variant(package: Any, workdir: Any, state: Any, saves: int,
                 steps_per_save: int) -> dict[str, float]:
     """Train-thread seconds in the checkpointer's calls over ``saves`` saves (``package``'s
     Checkpointer, async saves, keep 2)."""
     checkpointer_lib = __import__(f"{package.__name__}.training.checkpointing.checkpointer",
                                   fromlist=["Checkpointer"])
-    shutil.rmtree(workdir, ignore_errors=True)
+    _remove(workdir)
     ckpt = checkpointer_lib.Checkpointer(workdir, steps_per_save, 2)
     data_iter = iter(grain.MapDataset.range(10 ** 6).to_iter_dataset())
     step_fn, a = stand_in_step()
@@ -93,7 +105,7 @@ def run_variant(package: Any, workdir: pathlib.Path, state: Any, saves: int,
     ckpt.close()
     in_close = time.perf_counter() - t0
     total = time.perf_counter() - started
-    shutil.rmtree(workdir, ignore_errors=True)
+    _remove(workdir)
     return {"save": in_save, "check": in_check, "slowest": slowest, "close": in_close,
             "total": total}
 
@@ -108,31 +120,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", default="",
                    help="where the checkpoints go (default: a temporary folder)")
+    p.add_argument("--bucket", default="",
+                   help="gs://bucket/folder: compare saving there with a local folder")
     args = p.parse_args(argv)
     if args.saves < 2 or args.steps_per_save < 2:
         print("error: --saves and --steps-per-save must be 2 or more", file=sys.stderr)
         return 2
     root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="posjax_save_path_"))
     (root / "code").mkdir(parents=True, exist_ok=True)
-    before = import_variant(args.before, "before", root / "code")
     import posjax as after
+    if args.bucket:
+        from posjax import storage
+        storage.check_credentials(args.bucket, "--bucket")
+        names = {"local": (after, root / "ckpt"), "bucket": (after, f"{args.bucket}/ckpt")}
+    else:
+        names = {"before": (import_variant(args.before, "before", root / "code"),
+                            root / "ckpt" / "before"), "after": (after, root / "ckpt" / "after")}
     state = state_of(args.size)
     leaves = jax.tree_util.tree_leaves(state["params"])
     millions = sum(x.size for x in leaves) / 1e6
     gigabytes = 3 * sum(x.nbytes for x in leaves) / 1e9
     load0, t0 = load_average(), time.perf_counter()
-    results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
-        order = [("before", before), ("after", after)]
-        for name, package in (order if r % 2 == 0 else order[::-1]):
-            results[name].append(run_variant(package, root / "ckpt" / name, state, args.saves,
+        order = list(names)
+        for name in (order if r % 2 == 0 else order[::-1]):
+            package, workdir = names[name]
+            results[name].append(run_variant(package, workdir, state, args.saves,
                                              args.steps_per_save))
             last = results[name][-1]
             print(f"[save_path] round {r + 1}/{args.rounds} {name}: "
                   f"{(last['save'] + last['check']) / args.saves:.2f} s per save on the "
                   f"training thread, slowest step {last['slowest']:.2f} s", flush=True)
     rows = []
-    for name in ("before", "after"):
+    for name in names:
         runs = results[name]
         per_save = [(x["save"] + x["check"]) / args.saves for x in runs]
         rows.append([name, median(per_save), median([x["save"] / args.saves for x in runs]),
@@ -148,8 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"a save every {args.steps_per_save} steps, {args.saves} saves)",
         ["variant", "s per save", "in save()", "in check_background_save()",
          "slowest step s", "close() s", "loop wall s"], rows,
-        [f"before = posjax at {args.before}; after = the working tree. Medians over "
-         f"{args.rounds} rounds, alternating order.",
+        [(f"local / bucket = the working tree saving to a local folder / to {args.bucket}"
+          if args.bucket else f"before = posjax at {args.before}; after = the working tree")
+         + f". Medians over {args.rounds} rounds, alternating order.",
          "s per save: the seconds the training thread spent in save() and "
          "check_background_save() over the loop, per save; slowest step: the most one step's "
          "calls took; close(): the end of the run (the last save's commit and, after, its "
