@@ -307,3 +307,24 @@ def test_a_run_killed_mid_save_on_a_bucket_resumes_as_the_uninterrupted_run(work
     assert f"{partial}/commit_success.txt" in names or not any(
         n.startswith(f"{partial}/") for n in names)   # saved again by the rerun, or gone
     assert "train.lock" not in _names(workdir)
+
+
+def test_a_run_extended_on_a_bucket_continues_as_on_a_disk(workdir, tmp_path):
+    """Resumed with more steps on a bucket: the same schedule segments (lr_schedule.json), the
+    same loss and rate at every step as the same extension in a local folder, config.json
+    updated; a key that changes what the checkpoint means stays refused there too."""
+    local = tmp_path / "local"
+    longer = syn.tiny_config(num_steps=10)
+    for target in (workdir, local):
+        assert trainer.train(syn.tiny_config(), target, stop_after=4).step == 4
+        assert trainer.train(longer, target).step == 10
+    assert (json.loads(_read(f"{workdir}/lr_schedule.json"))
+            == json.loads((local / "lr_schedule.json").read_text())
+            == {"segments": [[0, 6], [4, 10]]})
+    assert json.loads(_read(f"{workdir}/config.json"))["num_steps"] == 10
+    records = [json.loads(line) for line in _read(f"{workdir}/metrics.jsonl").splitlines()]
+    on_disk = [json.loads(line) for line in (local / "metrics.jsonl").read_text().splitlines()]
+    assert ([(r["step"], r["loss"], r["lr"]) for r in records if r["split"] == "train"]
+            == [(r["step"], r["loss"], r["lr"]) for r in on_disk if r["split"] == "train"])
+    with pytest.raises(ValueError, match="batch_size"):
+        trainer.train(syn.tiny_config(num_steps=12, batch_size=8), workdir)
