@@ -428,10 +428,49 @@ def test_beyond_nope_verdicts_need_two_paired_seeds():
     assert verdicts["none"]["verdict"] == "undecidable: 0 paired seeds (a test needs 2)"
 
 
-def test_a_bucket_workdir_is_refused(tmp_path, monkeypatch, capsys):
-    """A study's workdir is local: a gs:// URL is one error, not a folder named 'gs:'."""
+def test_another_url_is_refused(tmp_path, monkeypatch, capsys):
+    """A URL other than gs:// is one error, not a local folder named 's3:'."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        main(["--config", TEXT + ":tiny", "--workdir", "gs://bucket/study"])
-    assert e.value.code == 2 and "a study's workdir is a local folder" in capsys.readouterr().err
+        main(["--config", TEXT + ":tiny", "--workdir", "s3://bucket/study"])
+    assert e.value.code == 2 and "a local folder or gs://bucket/path" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_study_on_a_bucket_keeps_its_results_there_and_resumes_on_another_machine(
+        emulator, tmp_path, monkeypatch):
+    """``--workdir gs://``: results/ and the report live on the bucket, the cells train in a
+    local folder. Cells another machine finished (uploaded) are pulled and not run again; a
+    new cell's results are uploaded as soon as it ends; the report is written to the bucket; a
+    third machine with an empty local folder runs nothing."""
+    from posjax import storage
+    from posjax.study import cells as cells_lib
+    url = f"{emulator}/study"
+    finished = ROOT / "studies" / "vit" / "results"
+    for cell in ("vit-s1", "vit-s2"):   # as another machine left them
+        for path in finished.glob(f"{cell}[._]*"):
+            storage.write_atomically(f"{url}/results/{path.name}", path.read_bytes())
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
+    ran = []
+
+    def run_cell(root, study, base, cell):   # stands in for 3,000 steps: seed 2's record
+        ran.append(cell.id)
+        assert root.is_relative_to(tmp_path / "machine_a"), root
+        record = {**json.loads((finished / "vit-s2.json").read_text()), "cell": cell.id,
+                  "seed": cell.seed}
+        cells_lib.write_json(cells_lib.results_file(root, cell.id), record)
+        return record
+
+    monkeypatch.setattr(cells_lib, "run_cell", run_cell)
+    for machine, expected in (("machine_a", ["vit-s3"]), ("machine_b", [])):
+        monkeypatch.setenv("POSJAX_STUDY_CACHE", str(tmp_path / machine))
+        ran.clear()
+        assert main(["--config", "configs/study_vit.py", "--workdir", url, "--cell", "vit"]) == 0
+        assert ran == expected, machine
+        names = storage.files(url)
+        assert {"results/vit-s3.json", "results/study.json", "report.md",
+                "report.json"} <= set(names), names
+        assert not any(n.startswith("cells/") for n in names), "training scratch stays local"
+    report_md = storage.read_with_generation(f"{url}/report.md")[0].decode()
+    assert "vit" in report_md and (tmp_path / "machine_b" / "posjax-test" / "study" /
+                                   "results" / "vit-s1.json").is_file()

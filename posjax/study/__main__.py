@@ -2,6 +2,9 @@
 python -m posjax.study --workdir DIR --report
 python -m posjax.study --config ... --workdir DIR --cost
 
+DIR is a local folder or ``gs://bucket/path`` (results/ and the report there, the cells'
+training in a local folder: posjax/study/bucket.py).
+
 Runs every cell of the study not finished yet (resuming interrupted ones), measures what each
 entry costs side by side in this one process (once: ``--cost`` measures again), then writes the
 report; ``--cell`` runs one cell (or every seed of one entry), e.g. on another host;
@@ -49,11 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (study overrides are "
                      "--config.KEY=VALUE)")
-    if "://" in args.workdir:   # a URL would become a local folder named 'gs:' (pathlib)
-        parser.error(f"--workdir {args.workdir}: a study's workdir is a local folder (its "
-                     "cells' checkpoints, results/ and the report); run it on a disk and copy "
-                     "results/ to the bucket afterwards")
-    root = pathlib.Path(args.workdir).absolute()
+    from posjax import storage
+    from posjax.study import bucket
+
+    url = args.workdir if storage.is_bucket(args.workdir) else ""
+    if "://" in args.workdir and not url:   # pathlib would make a local folder named 'xx:'
+        parser.error(f"--workdir {args.workdir}: a local folder or gs://bucket/path")
+    pushed: dict[str, str] = {}
+    if url:   # results/ and the report on the bucket; the cells train in a local folder
+        try:
+            storage.check_credentials(url, "--workdir")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        root = bucket.local_folder(url)
+        pushed = bucket.pull(url, root)
+        print(f"[study] {url}: {len(pushed)} result files pulled; the cells train in {root}")
+    else:
+        root = pathlib.Path(args.workdir).absolute()
+
+    def upload() -> None:
+        if url:
+            bucket.push(root, url, pushed)
     if not args.report and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # Seeds 2.. of a cell run the programs seed 1 compiled: keep them (under cells/).
         import jax
@@ -68,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         report.build(root)
-        print(f"[study] report written to {root / 'report.md'}")
+        upload()
+        print(f"[study] report written to {url or root}/report.md")
         return 0
     if not args.config:
         parser.error("--config is required unless --report")
@@ -78,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         study = load_config_file(args.config)
         apply_overrides(study, extra)
         if not args.cost:
-            run_grid(study, root, args.cell)
+            run_grid(study, root, args.cell, after_cell=upload)
         if args.cost or not (args.cell or cost.cost_file(root).is_file()):
             cost.measure(study, root)
+            upload()
     except StudyConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -88,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[study] stopped ({e}); rerun the same command to resume", file=sys.stderr)
         return 130
     report.build(root)
-    print(f"[study] report written to {root / 'report.md'}")
+    upload()
+    print(f"[study] report written to {url or root}/report.md")
     return 0
 
 

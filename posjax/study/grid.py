@@ -108,8 +108,10 @@ def chosen_rate(root: pathlib.Path, study: Any, name: str) -> tuple[float | None
     return best, ""
 
 
-def run_grid(study: Any, root: pathlib.Path, only: str = "", log=print) -> list[dict[str, Any]]:
-    """Run every cell not finished yet (or only cell id / entry name ``only``)."""
+def run_grid(study: Any, root: pathlib.Path, only: str = "", log=print,
+             after_cell=lambda: None) -> list[dict[str, Any]]:
+    """Run every cell not finished yet (or only cell id / entry name ``only``), calling
+    ``after_cell()`` after each (a bucket workdir uploads the results so far)."""
     base, cells = check_study(study)
     chosen = [c for c in cells if not only or only in (c.id, c.name)]
     if only and not chosen:
@@ -145,5 +147,6 @@ def run_grid(study: Any, root: pathlib.Path, only: str = "", log=print) -> list[
         elif record.get("stage_errors"):
             log(f"[study] cell {cell.id}: follow-ups failed: {record['stage_errors']}")
         records.append(record)
+        after_cell()
     log(progress_line(root, cells))
     return records
