@@ -115,8 +115,9 @@ def run(out: pathlib.Path, only: str | None, chip_only: str | None) -> dict:
         k = key(chip, scheme, impl, length, block)
         logits = 4 * 12 * length ** 2   # one layer's f32 L x L scores, 12 heads, batch 1
         if k not in results and impl == "xla" and logits > tpu_lib.CHIPS[chip].hbm_bytes:
-            # Not compiled: its static L x L index tables alone are host constants of
-            # 4 L^2 bytes (4 GiB at 32k) that exhaust this machine's memory.
+            # Not compiled: the chip would refuse it, and DeBERTa's static (L, L) gather index
+            # is a host constant of 4 L^2 bytes (4 GiB at 32k; BERT-R's buckets were one too,
+            # before they were computed on device) that exhausts this machine's memory.
             results[k] = {"fits": False, "needed": logits, "at_least": True, "compile_s": 0.0}
         if k not in results:
             with kernels.compiling_for("tpu"):

@@ -52,18 +52,26 @@ class SaveFailed(RuntimeError):
     disk, a folder no longer writable)."""
 
 
+def storage_question(bucket: bool) -> str:
+    """What to check when a write failed: a disk's space and permissions, or a bucket's."""
+    return ("does this account still have write access to the bucket (its quota, billing, "
+            "permissions)?" if bucket else "is the disk full, or the folder no longer writable?")
+
+
 @contextlib.contextmanager
 def writing(what: str) -> Iterator[None]:
-    """An OSError inside, while ``what`` (naming the file) is written, raises one SaveFailed
-    saying so and how to go on: the metrics log, an eval result, a plot fail this way when
-    the disk fills (tracebacks from TensorBoard's writer, before)."""
+    """An OSError inside, while ``what`` (naming the file: a path or a ``gs://`` URL) is
+    written, raises one SaveFailed saying so and how to go on: the metrics log, an eval
+    result, a plot fail this way when the disk fills or the bucket refuses (tracebacks from
+    TensorBoard's writer, before). A bucket's HTTP response body is left out."""
     try:
         yield
     except OSError as e:
-        raise SaveFailed(f"{what} could not be written ({type(e).__name__}: "
-                         f"{e.strerror or e}): is the disk full, or the folder no longer "
-                         "writable? Fix the storage, then run the command again (a training "
-                         "run resumes from its latest checkpoint)") from e
+        cause = re.sub(r" \[http_response_body=.*", "", str(e.strerror or e))
+        raise SaveFailed(f"{what} could not be written ({type(e).__name__}: {cause}): "
+                         f"{storage_question('gs://' in what)} Fix the storage, then run the "
+                         "command again (a training run resumes from its latest checkpoint)"
+                         ) from e
 
 
 def error_summary(error: BaseException) -> str:

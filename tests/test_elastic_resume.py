@@ -162,3 +162,15 @@ def test_a_run_on_data_8_resumes_on_fsdp_4_tensor_2(uninterrupted, tmp_path):
     result = trainer.train(mp.digits_tiny(**mp.OVERRIDES, **other_mesh), workdir)
     assert result.start == STOP and result.step == mp.NUM_STEPS
     _same_losses(workdir, uninterrupted)
+
+
+def test_a_run_on_a_bucket_resumes_on_another_mesh(uninterrupted, emulator):
+    """The same on a gs:// workdir (gcp-storage-emulator): arrays saved on data 8 are read
+    back resharded onto fsdp 4 × tensor 2 from the bucket."""
+    from posjax import storage
+    workdir = f"{emulator}/elastic"
+    trainer.train(mp.digits_tiny(**mp.OVERRIDES, **{"mesh.data": 8}), workdir, stop_after=STOP)
+    other_mesh = {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}
+    result = trainer.train(mp.digits_tiny(**mp.OVERRIDES, **other_mesh), workdir)
+    assert result.start == STOP and result.step == mp.NUM_STEPS
+    _same_losses(storage.as_path(workdir), uninterrupted)

@@ -328,3 +328,20 @@ def test_a_run_extended_on_a_bucket_continues_as_on_a_disk(workdir, tmp_path):
             == [(r["step"], r["loss"], r["lr"]) for r in on_disk if r["split"] == "train"])
     with pytest.raises(ValueError, match="batch_size"):
         trainer.train(syn.tiny_config(num_steps=12, batch_size=8), workdir)
+
+
+def test_a_metrics_log_the_bucket_refuses_is_one_error(workdir, monkeypatch):
+    """The bucket refuses metrics.jsonl (403): one SaveFailed naming the metrics log, as a full
+    disk does."""
+    from posjax.io_utils import SaveFailed
+    import gcs_emulator
+    gcs_emulator.refuse_uploads(monkeypatch, lambda name: name.endswith("/metrics.jsonl"))
+    with pytest.raises(SaveFailed) as failed:
+        trainer.train(syn.tiny_config(), workdir)
+    message = str(failed.value)
+    assert message.startswith(f"the metrics log ({workdir}/metrics.jsonl and "), message
+    assert "PERMISSION_DENIED: quotaExceeded" in message and "\n" not in message, message
+    assert "http_response_body" not in message and message.endswith(
+        "does this account still have write access to the bucket (its quota, billing, "
+        "permissions)? Fix the storage, then run the command again (a training run resumes "
+        "from its latest checkpoint)"), message

@@ -42,7 +42,7 @@ class T5RelativeBias(nn.Module):
         buckets = None
         if not blocked_path:
             buckets = positions.t5_bucket_matrix(length, self.num_buckets, self.max_distance,
-                                                 self.untie_cls, self.grid)
+                                                 self.untie_cls, self.grid, on_device=True)
         rows = self.num_buckets + (1 if self.untie_cls else 0)
         axes = 1 if self.grid is None else 2
         table = self.param("rel_bias", nn.with_logical_partitioning(

@@ -1,7 +1,8 @@
 """Position indices, bucketing and position tables shared by the schemes.
 
 Index arithmetic is static (it depends only on sequence shapes) and is done in numpy at
-trace time, so XLA sees constants.
+trace time, so XLA sees constants; an (L, L) index of the plain path that would be a large
+constant is computed by the program instead (``t5_bucket_matrix(on_device=True)``).
 """
 from __future__ import annotations
 
@@ -151,9 +152,12 @@ def t5_pair_buckets(axis: T5Axis, query_positions: Index, key_positions: Index,
 
 
 def t5_bucket_matrix(length: int, num_buckets: int, max_distance: int, untie_cls: bool,
-                     grid: tuple[int, int] | None = None) -> tuple[np.ndarray, ...]:
-    """Static T5 bucket indices, one (L, L) matrix per position axis (``t5_pair_buckets`` of
-    every pair).
+                     grid: tuple[int, int] | None = None, on_device: bool = False
+                     ) -> tuple[Index, ...]:
+    """T5 bucket indices, one (L, L) matrix per position axis (``t5_pair_buckets`` of every
+    pair): numpy, or with ``on_device`` computed by the traced program from a (2L − 1)-entry
+    lookup (inside jit an (L, L) numpy table is a constant of 4·L² bytes held in host memory
+    and the executable: 4 GiB at 32k).
 
     Text: one matrix of bucket(j - i). Images (``grid``): one matrix per axis (rows, cols) over
     patches; the sum of the two per-axis biases is the 2D relative bias. With ``untie_cls`` token 0
@@ -162,7 +166,7 @@ def t5_bucket_matrix(length: int, num_buckets: int, max_distance: int, untie_cls
     """
     if grid is not None:
         token_coordinates(length, grid, untie_cls)   # ValueError unless L fits the grid
-    pos = np.arange(length)
+    pos = jnp.arange(length) if on_device else np.arange(length)
     return tuple(t5_pair_buckets(axis, pos, pos, num_buckets, untie_cls)
                  for axis in t5_axes(num_buckets, max_distance, untie_cls, grid, length))
 

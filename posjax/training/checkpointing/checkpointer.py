@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from posjax import checkpoint_io, storage
-from posjax.io_utils import SaveFailed
+from posjax.io_utils import SaveFailed, storage_question
 from posjax.training import hosts
 from posjax.training.checkpointing import input_position, integrity, lock
 
@@ -210,11 +210,9 @@ class Checkpointer:
         kept = (f"The checkpoints saved before are intact (the latest: step {latest}); fix "
                 "the storage, then start this run again to resume from there" if latest is not
                 None else "No checkpoint was complete yet; fix the storage, then start again")
-        asked = ("does this account still have write access to the bucket (its quota, "
-                 "billing, permissions)?" if storage.is_bucket(self.directory) else
-                 "is the disk full, or the folder no longer writable?")
         return SaveFailed(f"the checkpoint of step {failed} could not be written in "
-                          f"{self.directory} ({checkpoint_io.root_cause(error)}): {asked} {kept}")
+                          f"{self.directory} ({checkpoint_io.root_cause(error)}): "
+                          f"{storage_question(storage.is_bucket(self.directory))} {kept}")
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None = None) -> Any:
         """State at ``step`` placed on ``abstract_state``'s shardings; ``data_iter`` (if given)
