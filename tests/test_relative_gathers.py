@@ -91,3 +91,38 @@ def test_static_gather_refuses_rows_outside_the_table():
     from posjax.layers.disentangled import relative_gather
     with pytest.raises(ValueError, match="outside the 4 table rows"):
         relative_gather(jnp.ones((1, 1, 3, 4)), np.full((3, 3), 4))
+
+
+def _largest_constant(fn, *args) -> int:
+    """Elements of the largest array constant the traced program of ``fn`` carries."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return max([int(np.size(c)) for c in closed.consts] + [0])
+
+
+def test_long_plain_paths_compute_their_pair_index_on_device(monkeypatch):
+    """Beyond ONEHOT_GRADIENT_MAX, DeBERTa's (L, L) gather index and T5's (L, L) buckets are
+    computed by the program from the 2L − 1 offsets, not carried as numpy constants (at L = 32k
+    such a constant is 4 GiB in host memory and in the executable); the values and gradients
+    equal the static index's (the control: below the limit, an (L, L) constant)."""
+    from posjax.layers import disentangled
+    from posjax.layers.position_bias import T5RelativeBias
+    layer = _layer("take", share_att_key=False)
+    kx, kt = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (2, LENGTH, 32))
+    table = jax.random.normal(kt, (2 * SPAN, 32))
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x, x, rel_table=table))
+
+    def value_and_grads():   # a new function each time: nothing reuses the other's trace
+        return jax.value_and_grad(lambda p, x, t: jnp.sum(jnp.sin(
+            layer.apply(p, x, x, rel_table=t))), argnums=(0, 1, 2))
+    static = value_and_grads()(params, x, table)
+    assert _largest_constant(value_and_grads(), params, x, table) >= LENGTH * LENGTH
+    monkeypatch.setattr(disentangled, "ONEHOT_GRADIENT_MAX", 0)
+    on_device = value_and_grads()(params, x, table)
+    assert _largest_constant(value_and_grads(), params, x, table) < 2 * LENGTH
+    for a, b in zip(jax.tree.leaves(static), jax.tree.leaves(on_device)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    bias = T5RelativeBias(num_heads=4, num_buckets=32, max_distance=128)
+    bias_params = bias.init(jax.random.key(0), LENGTH)
+    assert _largest_constant(lambda p: bias.apply(p, LENGTH), bias_params) < 2 * LENGTH

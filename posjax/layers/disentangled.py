@@ -93,6 +93,7 @@ def relative_gather(full: Array, index: Array | np.ndarray, method: str = "take"
                              f"the {full.shape[-1]} table rows")
         if index.size * full.shape[-1] <= ONEHOT_GRADIENT_MAX:
             return _gather_onehot_gradient(full, _StaticIndex(index, full.shape[-1]))
+    if index.ndim == 2:   # static, or the traced index of every pair (shared_index)
         return _static_take(full, index)
     index = jnp.asarray(index)
     index = index[None, None] if index.ndim == 2 else index[:, None]
@@ -105,10 +106,12 @@ def relative_gather(full: Array, index: Array | np.ndarray, method: str = "take"
 ONEHOT_GRADIENT_MAX = 1 << 22
 
 
-def _static_take(full: Array, index: np.ndarray) -> Array:
-    """The static (Lq, Lk) index applied to the flattened (Lq·R) axis of ``full``."""
+def _static_take(full: Array, index: np.ndarray | Array) -> Array:
+    """The (Lq, Lk) index shared by every batch row and head (static numpy, or traced)
+    applied to the flattened (Lq·R) axis of ``full``."""
     lq, rows = full.shape[-2:]
-    flat = (np.arange(lq)[:, None] * rows + index).reshape(-1)
+    xp = np if isinstance(index, np.ndarray) else jnp
+    flat = (xp.arange(lq)[:, None] * rows + index).reshape(-1)
     out = jnp.take(full.reshape(full.shape[:-2] + (lq * rows,)), flat, axis=-1, mode="clip")
     return out.reshape(full.shape[:-2] + index.shape)
 
@@ -185,6 +188,14 @@ class DisentangledAttention(nn.Module):
             axes = [np.arange(num_keys)]
         else:
             axes = list(positions.grid_coordinates(self.grid))
+        if (query_positions is None and self.grid is None
+                and num_keys * num_keys * 2 * span > ONEHOT_GRADIENT_MAX):
+            # Computed on device from the 2L − 1 offsets: as numpy, the (L, L) index would be
+            # a constant of the program held in host memory (4 GiB at L = 32k).
+            by_offset = jnp.asarray(positions.deberta_offset_rows(
+                span, self.position_buckets, self.max_relative_positions, num_keys, num_keys))
+            i = jnp.arange(num_keys)
+            return (by_offset[i[:, None] - i[None, :] + num_keys - 1],)
         out = []
         for a, coord in enumerate(axes):
             full = rel(coord, coord) + a * 2 * span
@@ -292,7 +303,7 @@ class DisentangledAttention(nn.Module):
             logits = logits + position_logits(q, pos_key(rel_table), index, self.gather) * scale
         if pos_query is not None:
             query_rows = pos_query(rel_table)                       # (A·2k, h, d)
-            if all(isinstance(idx, np.ndarray) for idx in index):
+            if all(idx.ndim == 2 for idx in index):   # shared by the batch
                 # p2c[i, j] = K_c[j]·Q_r[δ(i, j)]: gather by δᵀ
                 p2c = position_logits(k, query_rows, tuple(idx.T for idx in index), self.gather)
                 logits = logits + jnp.swapaxes(p2c, -1, -2) * scale

@@ -53,9 +53,10 @@ def push(local: pathlib.Path, url: str, pushed: dict[str, str]) -> int:
     """Upload ``local``'s shared files whose bytes changed since the last push (``pushed``:
     name -> digest, updated in place); -> how many were uploaded."""
     uploaded = 0
-    for name in storage.files(local):
-        if not _shared(name):
-            continue
+    top = sorted(p.name for p in local.iterdir() if p.is_file()) if local.is_dir() else []
+    results = local / SHARED_FOLDER   # not the cells' checkpoints or the compile cache
+    below = [f"{SHARED_FOLDER}/{n}" for n in storage.files(results)] if results.is_dir() else []
+    for name in filter(_shared, top + below):
         data = (local / name).read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if pushed.get(name) != digest:
