@@ -4,7 +4,7 @@ One encoder layer at DeBERTa-v3-base width (hidden 768, 12 heads of 64, MLP 3072
 forward and backward (the gradient of every parameter), compiled by the real TPU compiler
 (libtpu, no TPU) for one chip of a v5e / v5p slice, with ``model.attention_impl`` = ``xla``
 (plain L × L logits), ``blocked`` (posjax/layers/blocked.py's scan) and ``pallas`` (the
-kernel, posjax/kernels/; its backward is still the scan's recomputation). Memory is
+kernels, forward and backward, posjax/kernels/). Memory is
 ``memory_analysis()``'s argument + output + temporaries + code per chip; a program the
 compiler refuses is "does not fit" with the bytes it asked for. Then, on v5e (16 GiB), the
 largest power-of-two length that compiles, per scheme and path.

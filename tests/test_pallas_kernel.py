@@ -1,6 +1,7 @@
 """The Pallas flash-attention kernel (posjax.kernels, issue #52) in interpret mode on CPU
 equals blocked.blocked_attention and the materialised path for every position term, alone
-and together: forward and gradients (blocked.py's recomputing backward) within 1e-5, at
+and together: forward and gradients (the Pallas backward kernels; DeBERTa with
+block_q != block_k: blocked.py's recomputing backward) within 1e-5, at
 lengths below / at / above the T5 max distance and the DeBERTa span and log buckets, not
 multiples of the blocks, with a padded example and a masked query row; the ViT grid terms;
 bf16 inputs; and dropout is refused."""
@@ -147,7 +148,7 @@ def test_vit_grid_terms():
         relative_bias=bl.RelativeBucketBias(jax.random.normal(ks[4], (2, BUCKETS + 1, H)),
                                             BUCKETS, MAX_DISTANCE, untie_cls=True, grid=grid),
         linear_bias=bl.LinearBias(jnp.asarray(positions.alibi_slopes(H)),
-                                  jnp.asarray(np.stack(coords), jnp.float32),
+                                  jnp.asarray(np.stack(coords), jnp.int32),
                                   jnp.asarray(positioned)))
 
     def dense(q, k, v, km, qm, t):
@@ -216,3 +217,27 @@ def test_dropout_is_refused():
     with pytest.raises(ValueError, match="same tokens"):
         pallas_attention(q[:, :4], q, q, scale=1.0, block_terms=_terms(jax.random.key(0), 8),
                          interpret=True)
+
+
+def _kernels_in_gradient(block_q: int, block_k: int, terms: bl.BlockTerms, length: int
+                         ) -> set[str]:
+    q, k, v, km, qm, _ = _inputs(length)
+    fn = lambda q, k, v, t: jnp.sum(_pallas(block_q, block_k)(q, k, v, km, qm, t))  # noqa: E731
+    text = str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2, 3)))(q, k, v, terms))
+    return {name for name in ("posjax_flash_forward", "posjax_flash_dq", "posjax_flash_dkv",
+                              "posjax_flash_deberta_tables") if name in text}
+
+
+def test_the_backward_runs_as_pallas_kernels():
+    """Gradients come from the Pallas backward kernels (dq; dk and dv; DeBERTa's tables by
+    block diagonal), not from blocked.py's scan; DeBERTa with block_q != block_k (no common
+    block diagonal) takes the scan's backward."""
+    terms = _terms(jax.random.key(0), 40)
+    every = {"posjax_flash_forward", "posjax_flash_dq", "posjax_flash_dkv",
+             "posjax_flash_deberta_tables"}
+    assert _kernels_in_gradient(16, 16, terms, 40) == every
+    assert _kernels_in_gradient(16, 16, terms.replace(disentangled=None), 40) == every - {
+        "posjax_flash_deberta_tables"}
+    assert _kernels_in_gradient(16, 32, terms, 40) == {"posjax_flash_forward"}
+    assert _kernels_in_gradient(16, 32, terms.replace(disentangled=None), 40) == every - {
+        "posjax_flash_deberta_tables"}

@@ -1,4 +1,4 @@
-"""A Pallas (TPU-style) flash-attention forward kernel for every position scheme (issue #52).
+"""A Pallas (TPU-style) flash-attention kernel for every position scheme (issue #52).
 
 ``pallas_attention`` has ``blocked.blocked_attention``'s signature, semantics and shape
 contract (without attention dropout) and computes the same thing,
@@ -23,15 +23,15 @@ Mosaic (libtpu 0.0.42.1) compiles the kernel for v5e and v6e with every term (L 
 h = 12, d = 64, blocks 128; DeBERTa also with 128 × 256 blocks and with far blocks).
 
 The operands are built from blocked.py's rows-first block layout (``blocked.prepare``, the
-same checks; so that the custom_vjp below shares blocked.py's residuals): q, k, v and the terms' row inputs are transposed to
-(B, h, L, d) outside the kernel, and the output back; wiring the kernel into the layers can
-feed (B, h, L, d) directly.
+same checks, so that the custom_vjp below shares blocked.py's residuals) by
+``terms.operands``: q, k, v and the terms' row inputs transposed to (B, h, L, d) outside the
+kernel, and the output back; wiring the kernel into the layers can feed (B, h, L, d)
+directly.
 
-Backward: for this increment the kernel is wrapped in a ``jax.custom_vjp`` whose backward is
-blocked.py's recomputing ``_flash_bwd`` on blocked.py's own block layout and ``_Plan`` (the
-forward's (out, lse) converted to that layout), so gradients are blocked.py's, exactly. A
-Pallas backward kernel (dq, dk, dv and the terms' gradients recomputed per block) is the next
-step of issue #52.
+Backward: a ``jax.custom_vjp`` whose backward is the Pallas kernels of
+``posjax.kernels.backward`` (dq; dk and dv; DeBERTa's tables per block diagonal), logits
+recomputed per block; DeBERTa with block_q ≠ block_k takes blocked.py's recomputing
+``_flash_bwd`` on blocked.py's own layout (the forward's (out, lse) converted to it).
 
 ``interpret=True`` runs the kernel in Pallas' interpreter (any backend, CPU included: the
 tests); ``interpret=False`` compiles it with Mosaic for a TPU.
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from posjax.kernels import backward
 from posjax.kernels import terms as kt
 from posjax.layers import blocked as bl
 
@@ -77,25 +78,7 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
     (nq, B, h, bq) (+inf for rows with no visible key), as ``blocked._forward``."""
     batch, heads, dv = vb.shape[2], vb.shape[3], vb.shape[4]
     bq, nk = plan.block_q, plan.num_k
-    ops = kt.Operands(plan)
-
-    q_slot = ops.rows(kt.to_heads_rows(qr[0]), "q")   # (B, h, L, d)
-    k_slot = ops.rows(kt.to_heads_rows(kr[0]), "k")
-    v_slot = ops.rows(kt.to_heads_rows(vb), "k")
-
-    def mask(m: Array, side: str) -> int:   # (count, B|1, size) -> (B|1, L, 1) / (B|1, 1, L)
-        m = jnp.swapaxes(m, 0, 1).reshape(m.shape[1], -1).astype(jnp.int32)
-        per_batch = m.shape[0] > 1
-        if side == "q":
-            return ops.add(m[:, :, None], pl.BlockSpec(
-                (None, bq, 1), lambda b, h, i, j: (b if per_batch else 0, i, 0)))
-        return ops.add(m[:, None, :], pl.BlockSpec(
-            (None, 1, plan.block_k), lambda b, h, i, j: (b if per_batch else 0, 0, j)))
-
-    qm_slot, km_slot = mask(qm, "q"), mask(km, "k")
-    it = {"q": iter(qr[1:]), "k": iter(kr[1:]), "s": iter(shared)}
-    terms: bl.BlockTerms = jax.tree.unflatten(plan.treedef, [next(it[r]) for r in plan.roles])
-    term_logits = kt.build_terms(terms, qr[0].dtype, ops)
+    ops, layout = kt.operands(plan, qr, kr, vb, shared, km, qm)
     num_inputs = len(ops.arrays)
     lq_pad = plan.lq_pad
     # lse: rows (B, h, 1, Lq_pad) when the query block fills whole lanes; else a column
@@ -114,16 +97,8 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        q, k = ins[q_slot][...], ins[k_slot][...]
-        shape = (bq, plan.block_k)
-        qpos = i * bq + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        kpos = j * plan.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        ctx = kt.Context(q, k, qpos, kpos, h, i, j, plan)
-        s = kt.nt(q, k) * plan.scale
-        for logits in term_logits:
-            s = s + logits(ins, ctx)
-        visible = (ins[qm_slot][...] != 0) & (ins[km_slot][...] != 0)   # (bq, 1) & (1, bk)
-        s = jnp.where(visible, s, -jnp.inf)
+        ctx = kt.context(ins, layout, plan, h, i, j)
+        s = kt.logits(ins, ctx, layout)
 
         m, l = m_ref[...], l_ref[...]
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -132,7 +107,7 @@ def _forward(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm
         corr = jnp.exp(m - shift)
         l_ref[...] = corr * l + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_new
-        v = ins[v_slot][...]
+        v = ins[layout.v][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         acc_ref[...] = corr * acc_ref[...] + pv
@@ -180,7 +155,8 @@ def _flash_fwd(plan: bl._Plan, interpret: bool, qr, kr, vb, shared, km, qm):
 
 
 def _flash_bwd(plan: bl._Plan, interpret: bool, res, g: Array):
-    del interpret
+    if backward.supported(plan):
+        return backward.flash_backward(plan, interpret, res, g)
     return bl._flash_bwd(plan, res, g)[:6]   # blocked.py's recomputing backward (no rng)
 
 

@@ -54,10 +54,12 @@ class Operands:
         self.geo = geo
         self.arrays: list[Array] = []
         self.specs: list[pl.BlockSpec] = []
+        self.kinds: list[str] = []   # 'q' / 'k' rows, 'smem', 'column', 'row', 'window', 'mask'
 
-    def add(self, x: Array, spec: pl.BlockSpec) -> int:
+    def add(self, x: Array, spec: pl.BlockSpec, kind: str = "window") -> int:
         self.arrays.append(x)
         self.specs.append(spec)
+        self.kinds.append(kind)
         return len(self.arrays) - 1
 
     def rows(self, x: Array, side: str) -> int:
@@ -68,25 +70,26 @@ class Operands:
             return self.add(x, pl.BlockSpec(
                 (None, None, n, x.shape[-1]),
                 (lambda b, h, i, j: (b, h, i, 0)) if side == "q" else
-                (lambda b, h, i, j: (b, h, j, 0))))
+                (lambda b, h, i, j: (b, h, j, 0))), side)
         return self.add(x, pl.BlockSpec(
             (None, n, x.shape[-1]),
-            (lambda b, h, i, j: (h, i, 0)) if side == "q" else (lambda b, h, i, j: (h, j, 0))))
+            (lambda b, h, i, j: (h, i, 0)) if side == "q" else (lambda b, h, i, j: (h, j, 0))),
+            side)
 
     def column(self, x: Array) -> int:
         """Per-query-token values, (L, A) -> blocks (bq, A): a column per axis."""
         return self.add(x, pl.BlockSpec((self.geo.block_q, x.shape[1]),
-                                        lambda b, h, i, j: (i, 0)))
+                                        lambda b, h, i, j: (i, 0)), "column")
 
     def row(self, x: Array) -> int:
         """Per-key-token values, (A, L) -> blocks (A, bk): a row per axis."""
         return self.add(x, pl.BlockSpec((x.shape[0], self.geo.block_k),
-                                        lambda b, h, i, j: (0, j)))
+                                        lambda b, h, i, j: (0, j)), "row")
 
     def scalars(self, x: Array) -> int:
         """A small fp32 vector read by scalar index (per head): whole, in SMEM."""
         return self.add(jnp.ravel(x).astype(jnp.float32),
-                        pl.BlockSpec(memory_space=pltpu.SMEM))
+                        pl.BlockSpec(memory_space=pltpu.SMEM), "smem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,25 @@ def nt(a: Array, b: Array) -> Array:
     dtype = jnp.promote_types(a.dtype, b.dtype)
     return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def nn(a: Array, b: Array, exact: bool = False) -> Array:
+    """a (m, k) · b (k, n) -> fp32 (m, n) (fp32 operands; ``exact``: HIGHEST precision, for
+    the 0/1 permutation matrices of ``unskew``)."""
+    return jax.lax.dot_general(
+        a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST if exact else None,
+        preferred_element_type=jnp.float32)
+
+
+def tn(a: Array, b: Array) -> Array:
+    """a (k, m)ᵀ · b (k, n) -> fp32 (m, n) (fp32 operands)."""
+    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
+                               (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# A term's gradient for the attention's own q (``q_grads``) or k (``k_grads``), not a slot.
+SELF = -1
 
 
 def to_heads_rows(x: Array) -> Array:
@@ -142,6 +164,35 @@ class ProductTerm:
         return t
 
 
+    def _own(self, ctx: Context, ds: Array) -> Array:
+        """ds where the product itself is the logit (not the [CLS] reset), · scale."""
+        if self.first_col is not None:
+            ds = jnp.where(ctx.kpos == 0, 0.0, ds)
+        if self.first_row is not None:
+            ds = jnp.where(ctx.qpos == 0, 0.0, ds)
+        return ds * self.scale if self.scale != 1.0 else ds
+
+    def q_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        return [(self.query_side, nn(self._own(ctx, ds), refs[self.key_side][...]))]
+
+    def k_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        return [(self.key_side, tn(self._own(ctx, ds), refs[self.query_side][...]))]
+
+    @property
+    def scalar_targets(self) -> tuple[tuple[int, int], ...]:
+        """(SMEM slot, base) of each value of ``scalar_grads``: it is d slot[base + h]."""
+        return tuple((slot, 0) for slot in (self.first_row, self.first_col) if slot is not None)
+
+    def scalar_grads(self, refs, ctx: Context, ds: Array) -> list[Array]:
+        out = []
+        if self.first_row is not None:
+            out.append(jnp.sum(jnp.where(ctx.qpos == 0, ds, 0.0)))
+        if self.first_col is not None:
+            won = ctx.kpos == 0 if self.first_row is None else (ctx.kpos == 0) & (ctx.qpos != 0)
+            out.append(jnp.sum(jnp.where(won, ds, 0.0)))
+        return out
+
+
 def build_product(p: bl.Product, ops: Operands) -> ProductTerm:
     return ProductTerm(
         ops.rows(to_heads_rows(p.query_side), "q"), ops.rows(to_heads_rows(p.key_side), "k"),
@@ -170,25 +221,49 @@ class BucketTerm:
     num_buckets: int
     untie_cls: bool
 
+    def _bucket(self, refs, ctx: Context, a: int) -> Array:
+        """Axis a's bucket of every pair of the block, (bq, bk) int32."""
+        coords, (base, steps) = self.axes[a]
+        if coords is None:
+            r = ctx.kpos - ctx.qpos
+        else:
+            r = refs[coords[1]][a:a + 1, :] - refs[coords[0]][:, a:a + 1]   # (bq, bk)
+        bucket = jnp.full(r.shape, base, jnp.int32)
+        for threshold, delta in steps:
+            bucket = bucket + jnp.where(r >= threshold, delta, 0)
+        if self.untie_cls:
+            bucket = jnp.where(ctx.kpos == 0, self.num_buckets, bucket)
+            bucket = jnp.where(ctx.qpos == 0, self.num_buckets // 2, bucket)
+        return bucket
+
     def logits(self, refs, ctx: Context) -> Array:
         total = None
-        for a, (coords, (base, steps)) in enumerate(self.axes):
-            if coords is None:
-                r = ctx.kpos - ctx.qpos
-            else:
-                r = refs[coords[1]][a:a + 1, :] - refs[coords[0]][:, a:a + 1]   # (bq, bk)
-            bucket = jnp.full(r.shape, base, jnp.int32)
-            for threshold, delta in steps:
-                bucket = bucket + jnp.where(r >= threshold, delta, 0)
-            if self.untie_cls:
-                bucket = jnp.where(ctx.kpos == 0, self.num_buckets, bucket)
-                bucket = jnp.where(ctx.qpos == 0, self.num_buckets // 2, bucket)
-            bias = jnp.zeros(r.shape, jnp.float32)
+        for a in range(len(self.axes)):
+            bucket = self._bucket(refs, ctx, a)
+            bias = jnp.zeros(bucket.shape, jnp.float32)
             for b in self.buckets[a]:
                 value = refs[self.table][(a * self.rows + b) * self.heads + ctx.h]
                 bias = jnp.where(bucket == b, value, bias)
             total = bias if total is None else total + bias
         return total
+
+    def q_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        return []
+
+    k_grads = q_grads
+
+    @property
+    def scalar_targets(self) -> tuple[tuple[int, int], ...]:
+        return tuple((self.table, (a * self.rows + b) * self.heads)
+                     for a in range(len(self.axes)) for b in self.buckets[a])
+
+    def scalar_grads(self, refs, ctx: Context, ds: Array) -> list[Array]:
+        """d table[a, b, h] = Σ of ds over the block's pairs in bucket b of axis a."""
+        out = []
+        for a in range(len(self.axes)):
+            bucket = self._bucket(refs, ctx, a)
+            out.extend(jnp.sum(jnp.where(bucket == b, ds, 0.0)) for b in self.buckets[a])
+        return out
 
 
 def build_bucket_bias(t: bl.RelativeBucketBias, ops: Operands) -> BucketTerm:
@@ -217,18 +292,31 @@ class LinearTerm:
     positioned: tuple[int, int] | None   # (query (L, 1), key (1, L)) int32
     axes: int
 
-    def logits(self, refs, ctx: Context) -> Array:
+    def _distance(self, refs, ctx: Context) -> Array:
         if self.coords is None:
-            dist = jnp.abs(ctx.qpos - ctx.kpos).astype(jnp.float32)
-        else:
-            cq, ck = refs[self.coords[0]], refs[self.coords[1]]
-            dist = None
-            for a in range(self.axes):
-                d = jnp.abs(cq[:, a:a + 1] - ck[a:a + 1, :])
-                dist = d if dist is None else dist + d
-            both = (refs[self.positioned[0]][...] != 0) & (refs[self.positioned[1]][...] != 0)
-            dist = jnp.where(both, dist, 0.0)
-        return -refs[self.slopes][ctx.h] * dist
+            return jnp.abs(ctx.qpos - ctx.kpos).astype(jnp.float32)
+        cq, ck = refs[self.coords[0]], refs[self.coords[1]]
+        dist = None
+        for a in range(self.axes):
+            d = jnp.abs(cq[:, a:a + 1] - ck[a:a + 1, :])
+            dist = d if dist is None else dist + d
+        both = (refs[self.positioned[0]][...] != 0) & (refs[self.positioned[1]][...] != 0)
+        return jnp.where(both, dist, 0.0)
+
+    def logits(self, refs, ctx: Context) -> Array:
+        return -refs[self.slopes][ctx.h] * self._distance(refs, ctx)
+
+    def q_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        return []   # the coordinates are constants (no gradient)
+
+    k_grads = q_grads
+
+    @property
+    def scalar_targets(self) -> tuple[tuple[int, int], ...]:
+        return ((self.slopes, 0),)
+
+    def scalar_grads(self, refs, ctx: Context, ds: Array) -> list[Array]:
+        return [-jnp.sum(ds * self._distance(refs, ctx))]
 
 
 def build_linear_bias(t: bl.LinearBias, ops: Operands) -> LinearTerm:
@@ -247,6 +335,19 @@ def build_linear_bias(t: bl.LinearBias, ops: Operands) -> LinearTerm:
         slopes, (ops.column(pad(coords, geo.lq_pad).T), ops.row(pad(coords, geo.lk_pad))),
         (ops.column(pad(positioned, geo.lq_pad)[:, None]),
          ops.row(pad(positioned, geo.lk_pad)[None])), coords.shape[0])
+
+
+def _unskew(g: Array, width: int) -> Array:
+    """``_skew``'s transpose: g (n, cols) -> (n, width) with out[a, c + (n − 1 − a)] = g[a, c],
+    0 elsewhere. Row a must turn by n − 1 − a (``_skew`` turns it by a + const): the rows are
+    reversed (a product with the exchange matrix, exact), turned by their index (``pltpu.roll``
+    stride 1) and reversed back."""
+    n, cols = g.shape
+    g = jnp.concatenate([g, jnp.zeros((n, width - cols), jnp.float32)], axis=1)
+    rows, cols_ = (jax.lax.broadcasted_iota(jnp.int32, (n, n), d) for d in (0, 1))
+    exchange = (rows + cols_ == n - 1).astype(jnp.float32)
+    turned = pltpu.roll(nn(exchange, g, exact=True), 0, 1, stride=1, stride_axis=0)
+    return nn(exchange, turned, exact=True)
 
 
 def _skew(s: Array, cols: int) -> Array:
@@ -274,7 +375,8 @@ class DisentangledTerm:
             return jnp.concatenate([refs[slots[0]][...], refs[slots[1]][...]], axis=0)
         return refs[slots[0]][pl.ds(start, width), :]
 
-    def logits(self, refs, ctx: Context) -> Array:
+    def _windows(self, refs, ctx: Context) -> tuple[Array | None, Array | None]:
+        """The block's W + 1 rows of K_r (c2p) and Q_r (p2c) by offset, (bq + bk, d) each."""
         geo = ctx.geo
         bq, bk = geo.block_q, geo.block_k
         width = bq + bk   # W = bq + bk − 1 offsets, and one more row (unused) for alignment
@@ -287,6 +389,22 @@ class DisentangledTerm:
         if self.p2c is not None:   # r0 = qs − ks − (bk − 1) at row r0 + Lk_pad − 1
             start = pl.multiple_of(qs + (geo.num_k - 1) * bk - ks, align)
             p2c_rows = self._window(refs, self.p2c, start, width)
+        return c2p_rows, p2c_rows
+
+    def _banded(self, ctx: Context, band: Callable[[], Any], far: Callable[[], Any]) -> Any:
+        """band() for a block whose offsets pick several rows; far() (blocked.py's shortcut:
+        every window row is δ*) for one whose offsets all lie in δ's clamp."""
+        if self.far is None:
+            return band()
+        r_low, r_high = self.far
+        bq, bk = ctx.geo.block_q, ctx.geo.block_k
+        r_first = ctx.i * bq - ctx.j * bk - (bk - 1)
+        r_last = ctx.i * bq - ctx.j * bk + (bq - 1)
+        return jax.lax.cond((r_last <= r_low) | (r_first >= r_high), far, band)
+
+    def logits(self, refs, ctx: Context) -> Array:
+        bq, bk = ctx.geo.block_q, ctx.geo.block_k
+        c2p_rows, p2c_rows = self._windows(refs, ctx)
 
         def band() -> Array:
             total = jnp.zeros((bq, bk), jnp.float32)
@@ -295,11 +413,6 @@ class DisentangledTerm:
             if p2c_rows is not None:   # p2c[a, c] = k[c]·Q_r[δ(r0 + a − c + bk − 1)]
                 total = total + _skew(nt(ctx.k, p2c_rows), bq).T
             return total
-
-        if self.far is None:
-            return band() * self.scale
-        r_low, r_high = self.far
-        r_first, r_last = qs - ks - (bk - 1), qs - ks + (bq - 1)
 
         def far() -> Array:   # every window row is δ*: a column plus a row
             total = jnp.zeros((bq, bk), jnp.float32)
@@ -314,8 +427,54 @@ class DisentangledTerm:
                 total = total + nt(rows8, ctx.k)[0:1, :]
             return total
 
-        outside = (r_last <= r_low) | (r_first >= r_high)
-        return jax.lax.cond(outside, far, band) * self.scale
+        return self._banded(ctx, band, far) * self.scale
+
+    # Backward (``posjax.kernels.backward``), g = ds·scale: c2p = skew(q·Wcᵀ) gives
+    # dq = unskew(g)·Wc and dWc = unskew(g)ᵀ·q; p2c = skew(k·Wpᵀ)ᵀ gives dk = unskew(gᵀ)·Wp and
+    # dWp = unskew(gᵀ)ᵀ·k; in a far block the row sums of g (gᵀ) times the row δ*.
+
+    def q_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        if self.c2p is None:
+            return []
+        rows = self._windows(refs, ctx)[0]
+        g = ds * self.scale
+        return [(SELF, self._banded(
+            ctx, lambda: nn(_unskew(g, rows.shape[0]), rows),
+            lambda: jnp.sum(g, axis=1, keepdims=True) * rows[0:1, :].astype(jnp.float32)))]
+
+    def k_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
+        if self.p2c is None:
+            return []
+        rows = self._windows(refs, ctx)[1]
+        g = (ds * self.scale).T
+        return [(SELF, self._banded(
+            ctx, lambda: nn(_unskew(g, rows.shape[0]), rows),
+            lambda: jnp.sum(g, axis=1, keepdims=True) * rows[0:1, :].astype(jnp.float32)))]
+
+    scalar_targets = ()
+
+    def scalar_grads(self, refs, ctx: Context, ds: Array) -> list[Array]:
+        return []
+
+    def window_grads(self, refs, ctx: Context, ds: Array) -> tuple[Array | None, Array | None]:
+        """d of the block's (bq + bk, d) windows of K_r (c2p) and Q_r (p2c) by offset."""
+        geo = ctx.geo
+        width = geo.block_q + geo.block_k
+        g = ds * self.scale
+        out = []
+        for slots, side, grad in ((self.c2p, ctx.q, g), (self.p2c, ctx.k, g.T)):
+            if slots is None:
+                out.append(None)
+                continue
+
+            def far(side=side, grad=grad) -> Array:   # all into the window's first row
+                first = tn(jnp.sum(grad, axis=1, keepdims=True), side)          # (1, d)
+                rows = jax.lax.broadcasted_iota(jnp.int32, (width, side.shape[1]), 0)
+                return jnp.where(rows == 0, first, 0.0)
+
+            out.append(self._banded(ctx, lambda side=side, grad=grad: tn(
+                _unskew(grad, width), side), far))
+        return out[0], out[1]
 
 
 def build_disentangled(t: bl.Disentangled, q_dtype: Any, ops: Operands) -> DisentangledTerm:
@@ -353,15 +512,68 @@ def build_disentangled(t: bl.Disentangled, q_dtype: Any, ops: Operands) -> Disen
                             float(t.scale))
 
 
-def build_terms(terms: bl.BlockTerms, q_dtype: Any, ops: Operands
-                ) -> list[Callable[[Any, Context], Array]]:
-    """Every term of ``terms`` (arrays in blocked's layout) -> its in-kernel ``logits``, in
-    blocked's summation order (products, T5, ALiBi, DeBERTa)."""
-    out = [build_product(p, ops).logits for p in terms.products]
+def build_terms(terms: bl.BlockTerms, q_dtype: Any, ops: Operands) -> list[Any]:
+    """Every term of ``terms`` (arrays in blocked's layout) -> its in-kernel description (its
+    ``logits`` and gradients), in blocked's summation order (products, T5, ALiBi, DeBERTa)."""
+    out: list[Any] = [build_product(p, ops) for p in terms.products]
     if terms.relative_bias is not None:
-        out.append(build_bucket_bias(terms.relative_bias, ops).logits)
+        out.append(build_bucket_bias(terms.relative_bias, ops))
     if terms.linear_bias is not None:
-        out.append(build_linear_bias(terms.linear_bias, ops).logits)
+        out.append(build_linear_bias(terms.linear_bias, ops))
     if terms.disentangled is not None:
-        out.append(build_disentangled(terms.disentangled, q_dtype, ops).logits)
+        out.append(build_disentangled(terms.disentangled, q_dtype, ops))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the kernels find q, k, v and the masks among the operands, and the terms."""
+
+    q: int
+    k: int
+    v: int
+    query_mask: int
+    key_mask: int
+    terms: tuple[Any, ...]
+
+
+def operands(plan: bl._Plan, qr, kr, vb, shared, km, qm) -> tuple[Operands, Layout]:
+    """blocked.py's block layout (``blocked.prepare``) -> the kernels' operands: q, k, v as
+    (B, h, L, d) rows, the masks as (B|1, L, 1) / (B|1, 1, L) int32, every term's inputs."""
+    ops = Operands(plan)
+    q_slot = ops.rows(to_heads_rows(qr[0]), "q")   # (B, h, L, d)
+    k_slot = ops.rows(to_heads_rows(kr[0]), "k")
+    v_slot = ops.rows(to_heads_rows(vb), "k")
+
+    def mask(m: Array, side: str) -> int:   # (count, B|1, size) -> (B|1, L, 1) / (B|1, 1, L)
+        m = jnp.swapaxes(m, 0, 1).reshape(m.shape[1], -1).astype(jnp.int32)
+        per_batch = m.shape[0] > 1
+        if side == "q":
+            return ops.add(m[:, :, None], pl.BlockSpec(
+                (None, plan.block_q, 1), lambda b, h, i, j: (b if per_batch else 0, i, 0)),
+                "mask")
+        return ops.add(m[:, None, :], pl.BlockSpec(
+            (None, 1, plan.block_k), lambda b, h, i, j: (b if per_batch else 0, 0, j)), "mask")
+
+    qm_slot, km_slot = mask(qm, "q"), mask(km, "k")
+    it = {"q": iter(qr[1:]), "k": iter(kr[1:]), "s": iter(shared)}
+    terms: bl.BlockTerms = jax.tree.unflatten(plan.treedef, [next(it[r]) for r in plan.roles])
+    built = build_terms(terms, qr[0].dtype, ops)
+    return ops, Layout(q_slot, k_slot, v_slot, qm_slot, km_slot, tuple(built))
+
+
+def logits(ins, ctx: Context, layout: Layout) -> Array:
+    """s = q·k·scale + Σ terms for the block, fp32 (bq, bk); the pairs it may not see: −inf."""
+    s = nt(ctx.q, ctx.k) * ctx.geo.scale
+    for term in layout.terms:
+        s = s + term.logits(ins, ctx)
+    visible = (ins[layout.query_mask][...] != 0) & (ins[layout.key_mask][...] != 0)
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def context(ins, layout: Layout, geo: bl._Plan, h: Array, i: Array, j: Array) -> Context:
+    """The block (i, j) of head h: its q, k and the pairs' global positions."""
+    shape = (geo.block_q, geo.block_k)
+    qpos = i * geo.block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    kpos = j * geo.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return Context(ins[layout.q][...], ins[layout.k][...], qpos, kpos, h, i, j, geo)

@@ -128,8 +128,8 @@ class RelativeBucketBias:
 @struct.dataclass
 class LinearBias:
     """ALiBi-style symmetric linear bias t[h, i, j] = −slopes[h]·|i − j|; slopes: (h,). On a
-    patch grid (``coords`` (A, L): each token's row and column, ``positioned`` (L,) bool) the
-    distance is Σ_a |c_a[i] − c_a[j]|, and 0 for a pair with a token without a position
+    patch grid (``coords`` (A, L) int: each token's row and column, constants without a
+    gradient; ``positioned`` (L,) bool) the distance is Σ_a |c_a[i] − c_a[j]|, and 0 for a pair with a token without a position
     ([CLS]): ``logit_terms.alibi_logits`` of the block's positions, as the plain path's
     ``position_bias.alibi_bias``."""
 

@@ -320,7 +320,7 @@ class Encoder(nn.Module):
             if "alibi" in scheme.terms:
                 slopes = jnp.asarray(positions.alibi_slopes(cfg.num_heads))
                 grid_coords = ({} if self.grid is None else dict(
-                    coords=jnp.asarray(np.stack(coords), jnp.float32),
+                    coords=jnp.asarray(np.stack(coords), jnp.int32),
                     positioned=jnp.asarray(positioned)))
                 block_terms = block_terms.replace(
                     linear_bias=blocked.LinearBias(slopes, **grid_coords))
