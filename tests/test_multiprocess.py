@@ -77,7 +77,7 @@ def start(workdir: pathlib.Path, logs: list[pathlib.Path], config: str, flags: l
     and their copier threads (end them with ``wait_all`` or ``stop_all``)."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
+           "PYTHONFAULTHANDLER": "1", "XLA_FLAGS": xla_flags(4), **_JAX_CACHE}
     procs, copiers = [], []
     for i, log in enumerate(logs):
         procs.append(subprocess.Popen(
@@ -149,8 +149,16 @@ def _copy_lines(stream, out) -> None:
             out.flush()
 
 
+def _tail(output: str) -> str:
+    """What a failed assertion shows of a child's output: its end, or from a native crash's
+    "Fatal Python error" on (its threads' stacks come before the long extension-module list
+    that would fill the end)."""
+    crash = output.find("Fatal Python error")
+    return output[crash:crash + 8000] if crash >= 0 else output[-3000:]
+
+
 def _stopped_step(output: str) -> int:
-    assert "preempted: checkpoint saved at step " in output, output[-3000:]
+    assert "preempted: checkpoint saved at step " in output, _tail(output)
     return int(output.split("preempted: checkpoint saved at step ")[1].split(";")[0])
 
 
@@ -183,7 +191,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(runs):
     _, multi, first, second, _ = runs
     stopped = _stopped_step(first[0][0])
     for output, code in first:
-        assert code == 0, output[-3000:]
+        assert code == 0, _tail(output)
         assert _stopped_step(output) == stopped           # both processes, the same step
     assert 2 < stopped < NUM_STEPS
     assert "SIGTERM caught" in first[1][0] and "SIGTERM caught" not in first[0][0]
@@ -199,11 +207,11 @@ def test_sigterm_to_both_processes_stops_both_at_the_same_step(runs):
     _, multi, first, second, third = runs
     first_stop, stopped = _stopped_step(first[0][0]), _stopped_step(second[0][0])
     for output, code in second:
-        assert code == 0, output[-3000:]
+        assert code == 0, _tail(output)
         assert _stopped_step(output) == stopped
     assert first_stop + 2 <= stopped < NUM_STEPS
     for output, code in third:
-        assert code == 0 and "preempted" not in output, output[-3000:]
+        assert code == 0 and "preempted" not in output, _tail(output)
     assert f"resuming from {multi / 'checkpoints' / str(stopped)}" in third[0][0]
     assert f"final eval at step {NUM_STEPS}" in third[0][0]
 
@@ -255,8 +263,8 @@ def test_eval_processes_evaluate_the_step_process_0_chose(runs):
                      overrides={"peak_flops": 1e12}, script="eval.py",
                      python_args=("-c", LISTING_WITHOUT_THE_LATEST_STEP))
     for output, code in results:
-        assert code == 0, output[-3000:]
-        assert f'"step": {NUM_STEPS},' in output, output[-3000:]
+        assert code == 0, _tail(output)
+        assert f'"step": {NUM_STEPS},' in output, _tail(output)
     assert f"process 1: evaluating step {NUM_STEPS}, process 0's choice" in results[1][0]
     evaluated = json.loads(path.read_text())
     assert evaluated["num_examples"] == trained["num_examples"] == 359
@@ -289,7 +297,7 @@ def test_eval_processes_agree_on_init_from_weights_and_evaluate_them(runs, tmp_p
                      config=f"configs/saved.py:{multi}", script="eval.py",
                      overrides={"peak_flops": 1e12, "init_from": str(multi)})
     for output, code in results:
-        assert code == 0, output[-3000:]
+        assert code == 0, _tail(output)
     evaluated = json.loads(workdir_lib.eval_file(tmp_path / "eval", 0, "test").read_text())
     assert evaluated["accuracy"] == pytest.approx(trained["accuracy"], abs=1e-6)
 
@@ -374,7 +382,7 @@ def test_text_model_two_processes_equal_one_process(tmp_path, shared_data):
         trainer.train(config, tmp_path / "single")
         outputs = multi.result()
     for output, code in outputs:
-        assert code == 0, output[-3000:]
+        assert code == 0, _tail(output)
         assert "Involuntary full rematerialization" not in output
     losses_multi, losses_single = (_train_losses(tmp_path / w) for w in ("multi", "single"))
     assert sorted(losses_multi) == sorted(losses_single) == [1, 2, 3, 4]
