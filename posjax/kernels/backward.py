@@ -60,6 +60,14 @@ def _regrid(spec: pl.BlockSpec, order) -> pl.BlockSpec:
     return dataclasses.replace(spec, index_map=lambda *g: old(*order(*g)))
 
 
+def _zero_at(outs, first: Array) -> None:
+    """Zero the (VMEM-resident) outputs at the first step of the accumulating axis."""
+    @pl.when(first)
+    def _init():
+        for o in outs:
+            o[...] = jnp.zeros(o.shape, jnp.float32)
+
+
 def _zero_cotangent(x: Array):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.zeros(x.shape, x.dtype)
@@ -121,25 +129,27 @@ def flash_backward(plan: bl._Plan, interpret: bool, res, g: Array):
         dp = kt.nt(ins[num_ops][...], ins[layout.v][...])
         return ctx, p, p * (dp - d_b)
 
+    def accumulate(outs, slots: list[int], own: int, content: Array, by_term) -> None:
+        """outs[n] += the gradient of operand slots[n]: the content term's for ``own`` (q or
+        k), plus each term's (slot, value) pairs (``kt.SELF``: ``own``)."""
+        grads = {own: content}
+        for slot, value in (pair for pairs in by_term for pair in pairs):
+            slot = own if slot == kt.SELF else slot
+            grads[slot] = grads[slot] + value if slot in grads else value
+        for slot, o in zip(slots, outs):
+            if slot in grads:
+                o[...] += grads[slot]
+
     # -- dq: query blocks outer, key blocks inner ---------------------------------------------
     def dq_kernel(*refs):
         ins, outs = refs[:len(inputs)], refs[len(inputs):]
         h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
-        @pl.when(j == 0)
-        def _init():
-            for o in outs:
-                o[...] = jnp.zeros(o.shape, jnp.float32)
+        _zero_at(outs, j == 0)
 
         ctx, _, ds = block(ins, h, i, j)
-        grads = {layout.q: kt.nn(ds, ctx.k) * plan.scale}
-        for term in layout.terms:
-            for slot, value in term.q_grads(ins, ctx, ds):
-                slot = layout.q if slot == kt.SELF else slot
-                grads[slot] = grads[slot] + value if slot in grads else value
-        for slot, o in zip(q_slots, outs):
-            if slot in grads:
-                o[...] += grads[slot]
+        accumulate(outs, q_slots, layout.q, kt.nn(ds, ctx.k) * plan.scale,
+                   [term.q_grads(ins, ctx, ds) for term in layout.terms])
         if targets:
             values = [v for term in layout.terms for v in term.scalar_grads(ins, ctx, ds)]
             lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
@@ -167,21 +177,12 @@ def flash_backward(plan: bl._Plan, interpret: bool, res, g: Array):
         ins, outs = refs[:len(inputs)], refs[len(inputs):]
         h, j, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
-        @pl.when(i == 0)
-        def _init():
-            for o in outs:
-                o[...] = jnp.zeros(o.shape, jnp.float32)
+        _zero_at(outs, i == 0)
 
         ctx, p, ds = block(ins, h, i, j)
         outs[0][...] += kt.tn(p, ins[num_ops][...])                      # dV = Pᵀ·dO
-        grads = {layout.k: kt.tn(ds, ctx.q) * plan.scale}
-        for term in layout.terms:
-            for slot, value in term.k_grads(ins, ctx, ds):
-                slot = layout.k if slot == kt.SELF else slot
-                grads[slot] = grads[slot] + value if slot in grads else value
-        for slot, o in zip(k_slots, outs[1:]):
-            if slot in grads:
-                o[...] += grads[slot]
+        accumulate(outs[1:], k_slots, layout.k, kt.tn(ds, ctx.q) * plan.scale,
+                   [term.k_grads(ins, ctx, ds) for term in layout.terms])
 
     kv_order = lambda b, h, j, i: (b, h, i, j)   # noqa: E731
     dkv_outs = pl.pallas_call(
@@ -240,10 +241,7 @@ def _window_grads(plan: bl._Plan, interpret: bool, term: "kt.DisentangledTerm", 
         h, t, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
         j = i + t - (n - 1)
 
-        @pl.when(i == 0)
-        def _init():
-            for o in outs:
-                o[...] = jnp.zeros(o.shape, jnp.float32)
+        _zero_at(outs, i == 0)
 
         @pl.when((j >= 0) & (j < n))
         def _accumulate():
