@@ -115,13 +115,10 @@ def nt(a: Array, b: Array) -> Array:
                                preferred_element_type=jnp.float32)
 
 
-def nn(a: Array, b: Array, exact: bool = False) -> Array:
-    """a (m, k) · b (k, n) -> fp32 (m, n) (fp32 operands; ``exact``: HIGHEST precision, for
-    the 0/1 permutation matrices of ``unskew``)."""
-    return jax.lax.dot_general(
-        a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST if exact else None,
-        preferred_element_type=jnp.float32)
+def nn(a: Array, b: Array) -> Array:
+    """a (m, k) · b (k, n) -> fp32 (m, n) (fp32 operands)."""
+    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
+                               (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def tn(a: Array, b: Array) -> Array:
@@ -337,17 +334,34 @@ def build_linear_bias(t: bl.LinearBias, ops: Operands) -> LinearTerm:
          ops.row(pad(positioned, geo.lk_pad)[None])), coords.shape[0])
 
 
-def _unskew(g: Array, width: int) -> Array:
-    """``_skew``'s transpose: g (n, cols) -> (n, width) with out[a, c + (n − 1 − a)] = g[a, c],
-    0 elsewhere. Row a must turn by n − 1 − a (``_skew`` turns it by a + const): the rows are
-    reversed (a product with the exchange matrix, exact), turned by their index (``pltpu.roll``
-    stride 1) and reversed back."""
+def _reverse_rows(x: Array) -> Array:
+    """x (n, m) with its rows in reverse order, fp32, exactly: the exchange matrix (0/1, exact
+    in bf16) times x split into three bf16 parts (x = x1 + x2 + x3 exactly; each product
+    exact) — three single-pass MXU products (Mosaic has no reverse)."""
+    n = x.shape[0]
+    rows, cols = (jax.lax.broadcasted_iota(jnp.int32, (n, n), d) for d in (0, 1))
+    exchange = (rows + cols == n - 1).astype(jnp.bfloat16)
+    rest, out = x.astype(jnp.float32), None
+    for _ in range(3):
+        part = rest.astype(jnp.bfloat16)
+        rest = rest - part.astype(jnp.float32)
+        flipped = jax.lax.dot_general(exchange, part, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+        out = flipped if out is None else out + flipped
+    return out
+
+
+def _turned(g: Array, width: int) -> Array:
+    """``_skew``'s transpose up to row order: g (n, cols) -> (n, width) with
+    out[n − 1 − a, c + (n − 1 − a)] = g[a, c], 0 elsewhere. The transpose must turn row a by
+    n − 1 − a (``_skew`` turns it by a + const, and Mosaic's strided roll only counts up):
+    reversed, row a' = n − 1 − a is turned by a' (``pltpu.roll`` stride 1). So for the
+    gradients, with J the row reversal, unskew(g) = J·turned(g): unskew(g)·W =
+    J·(turned(g)·W) and unskew(g)ᵀ·x = turned(g)ᵀ·(J·x), reversing only (n, d) and (n, cols)
+    arrays (``_reverse_rows``)."""
     n, cols = g.shape
-    g = jnp.concatenate([g, jnp.zeros((n, width - cols), jnp.float32)], axis=1)
-    rows, cols_ = (jax.lax.broadcasted_iota(jnp.int32, (n, n), d) for d in (0, 1))
-    exchange = (rows + cols_ == n - 1).astype(jnp.float32)
-    turned = pltpu.roll(nn(exchange, g, exact=True), 0, 1, stride=1, stride_axis=0)
-    return nn(exchange, turned, exact=True)
+    g = jnp.concatenate([_reverse_rows(g), jnp.zeros((n, width - cols), jnp.float32)], axis=1)
+    return pltpu.roll(g, 0, 1, stride=1, stride_axis=0)
 
 
 def _skew(s: Array, cols: int) -> Array:
@@ -431,7 +445,8 @@ class DisentangledTerm:
 
     # Backward (``posjax.kernels.backward``), g = ds·scale: c2p = skew(q·Wcᵀ) gives
     # dq = unskew(g)·Wc and dWc = unskew(g)ᵀ·q; p2c = skew(k·Wpᵀ)ᵀ gives dk = unskew(gᵀ)·Wp and
-    # dWp = unskew(gᵀ)ᵀ·k; in a far block the row sums of g (gᵀ) times the row δ*.
+    # dWp = unskew(gᵀ)ᵀ·k (each unskew as ``_turned``); in a far block the row sums of g
+    # (gᵀ) times the row δ*.
 
     def q_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
         if self.c2p is None:
@@ -439,7 +454,7 @@ class DisentangledTerm:
         rows = self._windows(refs, ctx)[0]
         g = ds * self.scale
         return [(SELF, self._banded(
-            ctx, lambda: nn(_unskew(g, rows.shape[0]), rows),
+            ctx, lambda: _reverse_rows(nn(_turned(g, rows.shape[0]), rows)),
             lambda: jnp.sum(g, axis=1, keepdims=True) * rows[0:1, :].astype(jnp.float32)))]
 
     def k_grads(self, refs, ctx: Context, ds: Array) -> list[tuple[int, Array]]:
@@ -448,7 +463,7 @@ class DisentangledTerm:
         rows = self._windows(refs, ctx)[1]
         g = (ds * self.scale).T
         return [(SELF, self._banded(
-            ctx, lambda: nn(_unskew(g, rows.shape[0]), rows),
+            ctx, lambda: _reverse_rows(nn(_turned(g, rows.shape[0]), rows)),
             lambda: jnp.sum(g, axis=1, keepdims=True) * rows[0:1, :].astype(jnp.float32)))]
 
     scalar_targets = ()
@@ -473,7 +488,7 @@ class DisentangledTerm:
                 return jnp.where(rows == 0, first, 0.0)
 
             out.append(self._banded(ctx, lambda side=side, grad=grad: tn(
-                _unskew(grad, width), side), far))
+                _turned(grad, width), _reverse_rows(side)), far))
         return out[0], out[1]
 
 
