@@ -20,7 +20,9 @@ Lengths are padded to the blocks as in blocked.py, and a block larger than its l
 shrinks to it. For the TPU's (8, 128) tiling the blocks should be multiples of 128 where the
 length allows (blocked.py's default 128 × 128; the key mask's (1, bk) blocks need it).
 Mosaic (libtpu 0.0.42.1) compiles the kernel for v5e and v6e with every term (L = 512,
-h = 12, d = 64, blocks 128; DeBERTa also with 128 × 256 blocks and with far blocks).
+h = 12, d = 64, blocks 128; DeBERTa also with 128 × 256 blocks and with far blocks), and the
+forward and backward kernels of every scheme for v5e up to L = 32k (blocks of 512;
+``bench.kernel_memory``).
 
 The operands are built from blocked.py's rows-first block layout (``blocked.prepare``, the
 same checks, so that the custom_vjp below shares blocked.py's residuals) by
