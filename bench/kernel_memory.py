@@ -184,14 +184,16 @@ def table(results: dict) -> str:
             last = (" | " + " / ".join(largest(results, s, i) for i in IMPLS)) \
                 if chip == "v5e" else ""
             rows.append(f"| {s} | " + " | ".join(cols) + last + " |")
-    rows += ["\nBlock size (v5e, L = 8,192, the kernel, GiB per chip):\n",
+    rows += ["\nBlock size (v5e, L = 8,192, the kernel, GiB per chip; ✗ (VMEM): the compiler "
+             "refused a kernel whose tiles overflow its scoped VMEM):\n",
              "| scheme | " + " | ".join(f"block {b}" for b in (128, 256, 512, 1024)) + " |",
              "|---" * 5 + "|"]
     for s in ("bert_rel", "deberta_v2"):
         cols = []
         for b in (128, 256, 512, 1024):
             r = results.get(key("v5e", s, "pallas", 8192, b))
-            cols.append("·" if r is None else _gib(r.get("total") or r.get("needed")))
+            cols.append("·" if r is None else _gib(r["total"]) if r["fits"] else
+                        f"✗ {_gib(r['needed'])}" if r.get("needed") else "✗ (VMEM)")
         rows.append(f"| {s} | " + " | ".join(cols) + " |")
     return "\n".join(rows)
 
